@@ -1,0 +1,43 @@
+# kvbench: `make help` lists the targets. Every target sets itself up (.venv) on a fresh machine.
+.DEFAULT_GOAL := help
+SHELL := /bin/bash
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# An NVIDIA GPU present? Then plain pip brings CUDA torch. Without one, install the CPU build first so that the
+# project's `torch>=2.6` range is already met and pip never pulls a multi-GB CUDA build. Elsewhere, for example:
+#   make test TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu"
+HAS_NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+TORCH_SPEC ?= $(if $(HAS_NVIDIA_GPU),,torch==2.13.0)
+# Extra Hydra overrides for `make run`, e.g. make run ARGS="gen_len=32"
+ARGS ?=
+
+.PHONY: help setup run test lint clean-results
+
+help: ## Show this help
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-14s %s\n", $$1, $$2}'
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(if $(TORCH_SPEC),$(BIN)/pip install $(TORCH_SPEC))
+	$(BIN)/pip install -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed ## Create .venv and install kvbench with its dev extras
+
+run: setup ## The quickstart sweep on the best device present (cuda, else cpu); prints a summary
+	@exp=$$($(BIN)/python -c "import torch; print('quickstart-gpu' if torch.cuda.is_available() else 'quickstart')"); \
+	echo "kvbench: running experiment=$$exp"; \
+	$(BIN)/python -m experiments.decode experiment=$$exp $(ARGS)
+
+test: setup ## The whole test suite (GPU tests skip cleanly without a GPU)
+	$(BIN)/python -m pytest
+
+lint: setup ## ruff lint and format check
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+clean-results: ## Delete user results (keeps results/reference/)
+	find results -mindepth 1 -maxdepth 1 ! -name reference ! -name .gitkeep -exec rm -rf {} +

@@ -1,0 +1,1 @@
+"""Hydra entry points: thin wrappers that turn a composed config into harness calls."""

@@ -1,0 +1,70 @@
+"""Hydra callbacks for sweeps: validate every point up front, show progress with an ETA, summarize at the end."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra import compose
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from harness import results
+from harness.config import ConfigError, RunConfig
+
+log = logging.getLogger("kvbench")
+
+
+def sweep_jobs(config: DictConfig) -> list[list[str]]:
+    """The override list of every job of this multirun, expanded exactly as Hydra's basic sweeper does."""
+    params = [f"{key}={value}" for key, value in (config.hydra.sweeper.get("params") or {}).items()]
+    overrides = OverridesParser.create().parse_overrides(params + list(config.hydra.overrides.task))
+    return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+
+
+class SweepProgress(Callback):
+    def __init__(self) -> None:
+        self.total = 0
+        self.done = 0
+        self.started = 0.0
+        self.sweep_dir: Path | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        jobs = sweep_jobs(config)
+        self.total, self.done, self.started = len(jobs), 0, time.perf_counter()
+        self.sweep_dir = Path(config.hydra.sweep.dir)
+        # Validate every point before the first is measured: bad input costs a second, not half a sweep.
+        for job in jobs:
+            try:
+                RunConfig(**OmegaConf.to_container(compose(config_name="config", overrides=job), resolve=True))
+            except ConfigError as exc:
+                print(f"kvbench: bad config in sweep point [{' '.join(job)}]: {exc}", file=sys.stderr)
+                sys.exit(2)
+        log.info("sweep of %d points -> %s", self.total, self.sweep_dir)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if not self.total:
+            return
+        eta = ""
+        if self.done:
+            remaining_s = (time.perf_counter() - self.started) / self.done * (self.total - self.done)
+            eta = f" | ETA {remaining_s / 60:.0f} min {remaining_s % 60:.0f} s"
+        point = " ".join(config.hydra.overrides.task)
+        print(f"[{self.done + 1}/{self.total}] {point}{eta}", file=sys.stderr, flush=True)
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        self.done += 1
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        table = results.load(self.sweep_dir)
+        print(results.format_summary(table))
+        failed = table[table["status"] != "ok"]
+        elapsed_s = time.perf_counter() - self.started
+        print(f"\n{len(table)} points in {elapsed_s:.0f} s, {len(failed)} not ok -> {self.sweep_dir}")
+        for _, row in failed.iterrows():
+            print(f"  {row['status']}: {row['cache']} batch={row['batch_size']} prompt={row['prompt_len']}: {row['error']}")

@@ -1,0 +1,1 @@
+"""kvbench: measure and explain what the KV cache costs and buys during LLM decoding."""

@@ -1,0 +1,143 @@
+"""One sweep point, measured in this process: the only place where model, cache, timer and probes meet."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import logging
+import platform
+import socket
+import subprocess
+from pathlib import Path
+
+import torch
+
+from harness import kv
+from harness.config import DTYPES, RunConfig
+from harness.decode import generate
+from harness.kv.base import CacheSpec, dtype_bytes
+from harness.model import build_model, weights_bytes
+from harness.probes import MemoryProbe
+from harness.results import SCHEMA_VERSION
+from harness.timing import RepeatPolicy, StepTimer, measure, summarize
+
+log = logging.getLogger(__name__)
+
+
+def run_point(cfg: RunConfig) -> dict:
+    """Build, warm up, measure; return the row (without sweep_id, which the caller knows)."""
+    device = cfg.torch_device()
+    args = cfg.model_args()
+    kv_dtype = DTYPES[cfg.kv_dtype_name]
+    row = config_columns(cfg) | environment_columns(device)
+
+    probe = MemoryProbe(device)
+    probe.baseline()  # before the model loads
+    with probe:
+        model = build_model(
+            args, weights=cfg.weights, dtype=DTYPES[cfg.dtype], device=device, seed=cfg.seed,
+            n_positions=cfg.prompt_len + cfg.gen_len,
+        )
+        spec = CacheSpec(
+            n_layers=args.n_layers, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
+            batch_size=cfg.batch_size, max_tokens=cfg.prompt_len + cfg.gen_len, kv_dtype=kv_dtype, device=device,
+        )
+        cache = kv.build(cfg.cache["name"], spec, cfg.cache_options)
+        prompt = torch.randint(
+            args.vocab_size, (cfg.batch_size, cfg.prompt_len),
+            generator=torch.Generator().manual_seed(cfg.seed),
+        ).to(device)
+        timer = StepTimer(device, n_marks=cfg.gen_len)
+        outputs: list[torch.Tensor] = []
+        kv_figures: dict[str, int] = {}
+
+        def run_once():
+            generated, sample = generate(model, cache, prompt, cfg.gen_len, timer)
+            # Read at the peak, just before the sequences complete and give their storage back.
+            kv_figures.update(kv_bytes_allocated=cache.kv_bytes_allocated(), kv_bytes_live=cache.kv_bytes_live())
+            cache.release()
+            outputs.append(generated)
+            return sample
+
+        policy = RepeatPolicy(
+            warmup=cfg.warmup, min_repeats=cfg.min_repeats, max_repeats=cfg.max_repeats,
+            max_time_s=cfg.max_time_s, target_rse=cfg.target_rse,
+        )
+        samples = measure(run_once, policy)
+
+    row |= summarize(samples, batch_size=cfg.batch_size, prompt_len=cfg.prompt_len)
+    row |= kv_figures
+    row |= probe.columns()
+    row["weights_bytes"] = weights_bytes(model)
+    # The seed notes' formula, for the full length this point reserves: 2 x layers x tokens x kv_heads x head_dim
+    # x bytes x batch. Contiguous storage must equal it exactly; the test suite holds it to that.
+    row["kv_bytes_predicted"] = spec.batch_size * spec.max_tokens * spec.bytes_per_token
+    assert spec.bytes_per_token == 2 * args.n_layers * args.n_kv_heads * args.head_dim * dtype_bytes(kv_dtype)
+    row["output_digest"] = digest(outputs[-1])
+    row["status"] = "ok"
+    return row
+
+
+def digest(token_ids: torch.Tensor) -> str:
+    """sha256 of the generated ids, so that runs can be compared for equality across strategies and devices."""
+    return hashlib.sha256(token_ids.to("cpu", torch.int64).contiguous().numpy().tobytes()).hexdigest()
+
+
+def config_columns(cfg: RunConfig) -> dict:
+    """The identity and config columns, known before anything runs (a failed point records these too)."""
+    args = cfg.model_args()
+    paged = cfg.cache["name"] == "paged"
+    options = kv.parse_options(cfg.cache["name"], cfg.cache_options)
+    return {
+        "point_id": cfg.point_id(),
+        "model": args.name,
+        "n_params": args.n_params,
+        "n_layers": args.n_layers,
+        "n_heads": args.n_heads,
+        "n_kv_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "dtype": cfg.dtype,
+        "kv_dtype": cfg.kv_dtype_name,
+        "cache": cfg.cache["name"],
+        "block_size": options.block_size if paged else None,
+        "pool_tokens": options.pool_tokens if paged else None,
+        "batch_size": cfg.batch_size,
+        "prompt_len": cfg.prompt_len,
+        "gen_len": cfg.gen_len,
+        "device": cfg.torch_device().type,
+        "weights": cfg.weights,
+        "seed": cfg.seed,
+        "max_memory_gb": cfg.max_memory_gb,
+    }
+
+
+def environment_columns(device: torch.device) -> dict:
+    return {
+        "git_sha": git_sha(),
+        "host": socket.gethostname(),
+        "device_name": device_name(device),
+        "torch_version": torch.__version__,
+        "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "schema_version": SCHEMA_VERSION,
+    }
+
+
+def git_sha() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()

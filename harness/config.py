@@ -1,0 +1,138 @@
+"""The run configuration: one dataclass schema, and the one place where input is validated.
+
+Hydra composes `conf/` onto these dataclasses (registered in its ConfigStore by `experiments/decode.py`); the
+harness only ever sees a validated `RunConfig`. Every check here is cheap and runs before a model is built, so bad
+input fails in a second with one line naming the field and what it allows, and nothing is recorded.
+"""
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+import torch
+
+from harness import kv
+from harness.model import ModelArgs, load_args
+
+# Compute and storage dtypes by name. kv_dtype "auto" stores K/V in the compute dtype, as vLLM's default does.
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+KV_DTYPES = {"auto": None, **DTYPES}
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """Bad input: the message is one line naming the field and what it allows."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "small"  # a preset of harness.model.PRESETS; a local checkpoint in `weights` overrides its shapes
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    # The strategy's name plus its own options (see harness/kv/<name>.py: Options), e.g. {name: paged, block_size: 16}
+    cache: Dict[str, Any] = field(default_factory=lambda: {"name": "contiguous"})
+    weights: str = "dummy"  # "dummy": seeded random at the preset's shapes; or a local HF checkpoint directory
+    device: str = "auto"  # auto: cuda when available, else cpu
+    dtype: str = "bf16"  # compute dtype of weights and activations
+    kv_dtype: str = "auto"  # storage dtype of the KV cache; auto = dtype
+    batch_size: int = 1  # concurrent sequences
+    prompt_len: int = 128  # tokens per prompt (random ids, seeded)
+    gen_len: int = 32  # tokens generated per sequence, greedy, no EOS
+    warmup: int = 1  # whole generations run before measuring, excluded from every figure
+    min_repeats: int = 3
+    max_repeats: int = 20
+    max_time_s: float = 60.0  # wall budget for the measured repeats of one point
+    target_rse: float = 0.02  # stop repeating once the median TPOT's relative standard error is below this
+    max_memory_gb: Optional[float] = None  # cap on the measuring process: RLIMIT on CPU, memory fraction on CUDA
+    results_dir: str = "results"
+    seed: int = 0
+    isolate: bool = True  # measure each point in its own spawned process; false only for debugging
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, dict):
+            self.model = ModelConfig(**self.model)
+        self.cache = dict(self.cache)
+        try:
+            self._validate()
+        except ConfigError:
+            raise
+        except ValueError as exc:  # the strategy's and the model loader's own one-line checks
+            raise ConfigError(str(exc)) from None
+
+    def _validate(self) -> None:
+        _check_choice("device", self.device, DEVICES)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+        for name in ("batch_size", "prompt_len", "gen_len", "min_repeats", "max_repeats", "max_time_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.gen_len < 2:
+            raise ConfigError(f"gen_len: must be at least 2 (TPOT excludes the first token), got {self.gen_len}")
+        if self.warmup < 0:
+            raise ConfigError(f"warmup: must be 0 or more, got {self.warmup}")
+        if self.max_repeats < self.min_repeats:
+            raise ConfigError(f"max_repeats: must be at least min_repeats={self.min_repeats}, got {self.max_repeats}")
+        if not 0 < self.target_rse < 1:
+            raise ConfigError(f"target_rse: must be in (0, 1), got {self.target_rse}")
+        if self.max_memory_gb is not None and self.max_memory_gb <= 0:
+            raise ConfigError(f"max_memory_gb: must be positive or null, got {self.max_memory_gb}")
+        if "name" not in self.cache:
+            raise ConfigError(f"cache.name: missing; allowed: {', '.join(kv.strategy_names())}")
+        kv.parse_options(self.cache["name"], self.cache_options)
+        args = self.model_args()
+        if self.prompt_len + self.gen_len > args.max_seq_len:
+            raise ConfigError(
+                f"prompt_len + gen_len: {self.prompt_len + self.gen_len} exceeds {args.name}'s "
+                f"{args.max_seq_len} positions; allowed: at most {args.max_seq_len}"
+            )
+        device = self.torch_device()
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        check_storable("dtype", self.dtype, device, capability)
+        check_storable("kv_dtype", self.kv_dtype_name, device, capability)
+
+    # --- resolved views of the fields -------------------------------------------------------------------------
+    @property
+    def cache_options(self) -> dict[str, Any]:
+        return {key: value for key, value in self.cache.items() if key != "name"}
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return self.dtype if self.kv_dtype == "auto" else self.kv_dtype
+
+    def torch_device(self) -> torch.device:
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device: cuda requested but no CUDA device is available; allowed here: auto, cpu")
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def model_args(self) -> ModelArgs:
+        return load_args(self.weights, self.model.name)
+
+    def point_id(self) -> str:
+        """A stable hash of what is measured: resolved device and dtypes included, output location excluded."""
+        measured = dataclasses.asdict(self)
+        for key in ("results_dir", "isolate"):
+            measured.pop(key)
+        measured.update(device=self.torch_device().type, kv_dtype=self.kv_dtype_name)
+        blob = json.dumps(measured, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _check_choice(name: str, value: str, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}: unknown value {value!r}; allowed: {', '.join(allowed)}")
+
+
+def check_storable(field_name: str, dtype_name: str, device: torch.device, capability: tuple[int, int] | None) -> None:
+    """bf16 needs native support: every CPU torch build has it; on CUDA, compute capability 8.0 (Ampere) and up."""
+    if device.type == "cuda" and dtype_name == "bf16" and capability is not None and capability < (8, 0):
+        raise ConfigError(
+            f"{field_name}: bf16 needs compute capability 8.0+, this GPU has {capability[0]}.{capability[1]}; "
+            "allowed here: fp32, fp16"
+        )

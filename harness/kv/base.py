@@ -1,0 +1,99 @@
+"""The small protocol every KV-cache strategy follows, and the attention they share.
+
+A strategy owns the storage of past Keys and Values and answers one question per layer and step: "here are the
+new tokens' q, k, v; store k and v, then attend q over everything this sequence has seen". That keeps paging,
+quantization, windows and offloading each inside one file, and keeps the model and the timer ignorant of them.
+
+Queries are never cached: each one is used once, by the step that made it.
+
+Lifecycle, driven by `harness.decode`:
+    cache = Strategy(spec, options)   # allocates (contiguous) or builds the pool (paged)
+    cache.prepare(start_pos, n_new)   # once per forward, before the layers: grow block tables, check capacity
+    cache.attend(layer, q, k, v, start_pos)   # once per layer
+    cache.release()                   # the sequences completed: return blocks, forget lengths
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What every strategy needs to know about the model and the sweep point, whatever its options."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    batch_size: int
+    max_tokens: int  # prompt_len + gen_len: the longest a sequence gets at this point
+    kv_dtype: torch.dtype  # storage dtype, independent of the model's compute dtype
+    device: torch.device
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token of one sequence across all layers, in bytes (the seed notes' formula per token)."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes(self.kv_dtype)
+
+
+class KVCache(Protocol):
+    name: ClassVar[str]
+    # True only for the no-cache baseline: the decode loop then feeds the whole sequence at every step.
+    recomputes_prefix: ClassVar[bool]
+
+    def prepare(self, start_pos: int, n_new: int) -> None: ...
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """q [B, H, T, D], k and v [B, H_kv, T, D] for positions start_pos..start_pos+T-1 -> [B, H, T, D]."""
+        ...
+
+    def release(self) -> None: ...
+
+    def kv_bytes_allocated(self) -> int:
+        """Bytes of KV storage this strategy holds right now."""
+        ...
+
+    def kv_bytes_live(self) -> int:
+        """Bytes the tokens present actually need, at the storage dtype."""
+        ...
+
+
+class KVPoolExhausted(MemoryError):
+    """A sequence needed a block and the pool had none: out of KV memory, reported like any OOM."""
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
+    """Causal attention of T new queries at positions start_pos.. over S = start_pos + T keys.
+
+    q [B, H, T, D]; k, v [B, H_kv, S, D] in any storage dtype (cast to q's); returns [B, H, T, D].
+    GQA/MQA: each group of H / H_kv query heads shares one K/V head (Ainslie et al. 2023).
+    """
+    n_new, n_keys = q.shape[2], k.shape[2]
+    assert n_keys == start_pos + n_new, f"cache holds {n_keys} keys, expected {start_pos + n_new}"
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if k.shape[1] != q.shape[1]:
+        # [B, H_kv, S, D] -> [B, H, S, D]; a view-free repeat keeps SDPA on its fastest path on every backend.
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    if n_new == 1:  # one decode token sees every key: no mask
+        return F.scaled_dot_product_attention(q, k, v)
+    if start_pos == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    # Queries start mid-sequence (chunked prefill, a cached prefix): query i sees keys 0..start_pos+i.
+    q_pos = torch.arange(start_pos, n_keys, device=q.device)[:, None]
+    k_pos = torch.arange(n_keys, device=q.device)[None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=k_pos <= q_pos)
+
+
+def blocks_for(n_tokens: int, block_size: int) -> int:
+    return math.ceil(n_tokens / block_size)

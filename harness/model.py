@@ -1,0 +1,505 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2) in plain PyTorch, after gpt-fast's `model.py`.
+
+The model computes q, k, v and applies RoPE; the KV-cache strategy (`harness.kv`) stores K/V and runs attention.
+Weights are either seeded random values at the real shapes ("dummy", like vLLM's `--load-format dummy`: a
+benchmark of memory and speed needs the shapes, not the knowledge) or a local Hugging Face checkpoint, read with
+safetensors and mapped into a fused layout (one q|k|v matmul, one gate|up matmul).
+
+Conventions follow Hugging Face's `modeling_llama.py` so its checkpoints load without permutation: rotate_half
+RoPE, RMSNorm computed in fp32 and cast back before the weight multiplies.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from harness.kv.base import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class ModelArgs:
+    """Shapes and constants of one model. The defaults are Llama-2-7B's, as in gpt-fast."""
+
+    name: str
+    vocab_size: int = 32000
+    dim: int = 4096  # hidden size
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None -> n_heads (multi-head attention); fewer -> GQA (Ainslie et al. 2023)
+    head_dim: int | None = None  # None -> dim // n_heads; Llama-3.2 and Mistral state it explicitly
+    intermediate_size: int = 11008  # SwiGLU hidden width
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0  # RoPE base (Su et al. 2021)
+    # Llama-3 frequency scaling: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}; None -> plain RoPE.
+    rope_scaling: dict | None = None
+    max_seq_len: int = 4096  # the most positions the model supports
+    qkv_bias: bool = False  # Qwen2 adds biases to the q, k, v projections (Qwen2 technical report, 2.1)
+    tie_embeddings: bool = False  # lm_head shares the token embedding matrix
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(f"model: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"model: head_dim {self.head_dim} must be even for RoPE")
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") != "llama3":
+            raise ValueError(
+                f"model: rope_scaling type {self.rope_scaling.get('rope_type')!r} is not supported; allowed: llama3"
+            )
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def n_params(self) -> int:
+        """Parameters of the built model, counted analytically (a tied lm_head counts once)."""
+        qkv_out = self.q_dim + 2 * self.kv_dim
+        attention = self.dim * qkv_out + (qkv_out if self.qkv_bias else 0) + self.q_dim * self.dim
+        feed_forward = 3 * self.dim * self.intermediate_size  # gate, up, down
+        norms = 2 * self.dim
+        embeddings = self.vocab_size * self.dim
+        lm_head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return embeddings + self.n_layers * (attention + feed_forward + norms) + self.dim + lm_head
+
+    @classmethod
+    def from_name(cls, name: str) -> ModelArgs:
+        if name not in PRESETS:
+            raise ValueError(f"model: unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
+        return cls(name=name, **copy.deepcopy(PRESETS[name]))  # no instance shares the preset's rope dict
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any], name: str) -> ModelArgs:
+        """From a Hugging Face `config.json` of a llama, mistral or qwen2 model.
+
+        Reads both layouts: `rope_theta` + `rope_scaling` (transformers 4.x, the files on the Hub) and
+        `rope_parameters` (transformers 5.x, which folds rope_theta in).
+        """
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        rope_theta = rope.pop("rope_theta", None) or config.get("rope_theta", 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type == "default":
+            rope_scaling = None
+        elif rope_type == "llama3":
+            rope_scaling = {**rope, "rope_type": "llama3"}
+        else:
+            raise ValueError(f"weights: rope_type {rope_type!r} is not supported; allowed: default, llama3")
+        max_seq_len = config["max_position_embeddings"]
+        # Mistral v0.1 (and Qwen2 with use_sliding_window) attend over a window. Within the window that is full
+        # causal attention, so capping the supported positions keeps this model exact without a window mask.
+        uses_window = config.get("model_type") != "qwen2" or config.get("use_sliding_window", False)
+        if uses_window and config.get("sliding_window"):
+            max_seq_len = min(max_seq_len, config["sliding_window"])
+        return cls(
+            name=name,
+            vocab_size=config["vocab_size"],
+            dim=config["hidden_size"],
+            n_layers=config["num_hidden_layers"],
+            n_heads=config["num_attention_heads"],
+            n_kv_heads=config.get("num_key_value_heads"),
+            head_dim=config.get("head_dim"),
+            intermediate_size=config["intermediate_size"],
+            norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_seq_len=max_seq_len,
+            qkv_bias=config.get("model_type") == "qwen2",
+            tie_embeddings=config.get("tie_word_embeddings", False),
+        )
+
+
+# Deltas from the ModelArgs defaults. Real shapes come from each model's Hugging Face config.json.
+PRESETS: dict[str, dict[str, Any]] = {
+    # meta-llama/Llama-3.1-8B config.json: 8,030,261,248 parameters.
+    "llama-3.1-8b": dict(
+        vocab_size=128256,
+        n_kv_heads=8,
+        intermediate_size=14336,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        max_seq_len=131072,
+    ),
+    # meta-llama/Llama-3.2-1B config.json: 1,235,814,400 parameters, lm_head tied to the embeddings.
+    "llama-3.2-1b": dict(
+        vocab_size=128256,
+        dim=2048,
+        n_layers=16,
+        n_kv_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        max_seq_len=131072,
+        tie_embeddings=True,
+    ),
+    # meta-llama/Llama-2-7b-hf config.json (the defaults): 6,738,415,616 parameters, multi-head attention.
+    "llama-2-7b": dict(),
+    # mistralai/Mistral-7B-v0.3 config.json: 7,248,023,552 parameters; sliding_window null since v0.2.
+    "mistral-7b": dict(
+        vocab_size=32768,
+        n_kv_heads=8,
+        intermediate_size=14336,
+        rope_theta=1000000.0,
+        max_seq_len=32768,
+    ),
+    # Qwen/Qwen2.5-7B-Instruct config.json: 7,615,616,512 parameters. (The base model's config says 131072
+    # positions; 32768 is the native context both were trained at, longer needs YaRN.)
+    "qwen2.5-7b": dict(
+        vocab_size=152064,
+        dim=3584,
+        n_layers=28,
+        n_heads=28,
+        n_kv_heads=4,
+        intermediate_size=18944,
+        norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_seq_len=32768,
+        qkv_bias=True,
+    ),
+    # ~201M parameters: big enough that decode is memory-bound on a CPU, small enough to sweep there.
+    "small": dict(
+        dim=1024,
+        n_layers=12,
+        n_heads=16,
+        n_kv_heads=4,
+        intermediate_size=2816,
+        max_seq_len=8192,
+    ),
+    # ~0.1M parameters: for tests.
+    "tiny": dict(
+        vocab_size=256,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        intermediate_size=128,
+        max_seq_len=8192,
+    ),
+}
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 and cast back as HF's LlamaRMSNorm does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_fp32 = x.float()
+        x_fp32 = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * x_fp32.to(x.dtype)
+
+
+def rope_inv_freq(args: ModelArgs, device: torch.device) -> torch.Tensor:
+    """Inverse frequencies [D / 2] in fp32: theta^(-2i/D), Llama-3-scaled when asked.
+
+    Mirrors transformers' `_compute_default_rope_parameters` and `_compute_llama3_parameters`: wavelengths
+    longer than original_max / low_freq_factor are stretched by `factor`, shorter than original_max /
+    high_freq_factor are kept, and the band between is interpolated smoothly.
+    """
+    head_dim = args.head_dim
+    inv_freq = 1.0 / (
+        args.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    )
+    if args.rope_scaling is None:
+        return inv_freq
+    factor = args.rope_scaling["factor"]
+    low_freq_factor = args.rope_scaling["low_freq_factor"]
+    high_freq_factor = args.rope_scaling["high_freq_factor"]
+    old_context_len = args.rope_scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] on the last dim: HF's layout pairs dim i with i + D/2, not 2i with 2i+1."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; cos, sin [T, D] in fp32, cast to x's dtype first as HF does."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index  # the cache keys its storage by layer
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        # One fused matmul for q, k and v (gpt-fast): one weight read instead of three, the decode bottleneck.
+        self.wqkv = nn.Linear(args.dim, args.q_dim + 2 * args.kv_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.q_dim, args.dim, bias=False)
+        self.split_sizes = [args.q_dim, args.kv_dim, args.kv_dim]
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int, cache: KVCache
+    ) -> torch.Tensor:
+        batch_size, n_new, _ = x.shape  # [B, T, dim]
+        q, k, v = self.wqkv(x).split(self.split_sizes, dim=-1)
+        q = q.view(batch_size, n_new, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = k.view(batch_size, n_new, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
+        v = v.view(batch_size, n_new, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = cache.attend(self.layer_index, q, k, v, start_pos)  # [B, H, T, D]
+        y = y.transpose(1, 2).reshape(batch_size, n_new, self.n_heads * self.head_dim)  # [B, T, H * D]
+        return self.wo(y)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (Shazeer 2020): w2(silu(x @ gate) * (x @ up)), gate and up fused into one matmul `w13`."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)  # [B, T, ffn] each
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + ffn(norm(.))."""
+
+    def __init__(self, args: ModelArgs, layer_index: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args, layer_index=layer_index)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int, cache: KVCache
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos=cos, sin=sin, start_pos=start_pos, cache=cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args, layer_index=i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
+        self.n_positions = 0  # RoPE tables not built yet: see setup_rope
+
+    def tie_weights(self) -> None:
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def setup_rope(self, n_positions: int) -> None:
+        """Build cos/sin tables [n_positions, D] in fp32 for positions 0..n_positions-1, on the weights' device.
+
+        Non-persistent buffers: never saved, never loaded. Build only what a run needs: 131072 positions of
+        head_dim 128 are 64 MiB per table.
+        """
+        if not 0 < n_positions <= self.args.max_seq_len:
+            raise ValueError(
+                f"model: n_positions {n_positions} is outside 1..{self.args.max_seq_len} for {self.args.name!r}"
+            )
+        device = self.tok_embeddings.weight.device
+        inv_freq = rope_inv_freq(self.args, device=device)  # [D / 2]
+        positions = torch.arange(n_positions, device=device, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [S, D / 2]
+        angles = torch.cat((freqs, freqs), dim=-1)  # [S, D], rotate_half layout
+        self.register_buffer("rope_cos", angles.cos(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        self.n_positions = n_positions
+
+    def forward(self, tokens: torch.Tensor, start_pos: int, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """tokens [B, T] at positions start_pos..start_pos+T-1 -> logits [B, T, V], or [B, 1, V] if last_only.
+
+        `last_only` skips the vocabulary matmul for all but the last prompt token in prefill: only it is sampled.
+        """
+        n_new = tokens.shape[1]
+        assert start_pos + n_new <= self.n_positions, (
+            f"positions up to {start_pos + n_new} asked, RoPE tables hold {self.n_positions}: call setup_rope"
+        )
+        cache.prepare(start_pos, n_new)
+        cos = self.rope_cos[start_pos : start_pos + n_new]  # [T, D]
+        sin = self.rope_sin[start_pos : start_pos + n_new]  # [T, D]
+        x = self.tok_embeddings(tokens)  # [B, T, dim]
+        for layer in self.layers:
+            x = layer(x, cos=cos, sin=sin, start_pos=start_pos, cache=cache)
+        if last_only:
+            x = x[:, -1:]  # [B, 1, dim]
+        return self.output(self.norm(x))  # [B, T or 1, V]
+
+
+@torch.no_grad()
+def _fill_dummy(model: Transformer, seed: int, device: torch.device) -> None:
+    """Seeded random weights whose activations stay finite in bf16/fp16 across many layers.
+
+    std 0.02 as GPT-2 and HF's initializer_range; the projections that write into the residual stream (wo, w2)
+    are scaled by 1/sqrt(2 * n_layers) so the residual's variance does not grow with depth (Radford et al. 2019,
+    section 2.3). Generated on the target device: same seed and device give the same weights.
+    """
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    residual_std = 0.02 / math.sqrt(2 * model.args.n_layers)
+    for name, param in model.named_parameters():  # a tied weight appears once
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(("wo.weight", "w2.weight")):
+            param.normal_(mean=0.0, std=residual_std, generator=generator)
+        elif name.endswith(".bias"):
+            param.normal_(mean=0.0, std=0.002, generator=generator)  # small: exercised, never dominant
+        else:
+            param.normal_(mean=0.0, std=0.02, generator=generator)
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    """The checkpoint's files: those the shard index names, else model.safetensors, else every *.safetensors.
+
+    The index matters: Mistral's repositories also ship `consolidated.safetensors` in Mistral's own layout.
+    """
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [directory / shard for shard in shards]
+    if (directory / "model.safetensors").is_file():
+        return [directory / "model.safetensors"]
+    return sorted(directory.glob("*.safetensors"))
+
+
+def _read_hf_state_dict(
+    directory: Path, args: ModelArgs, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """HF tensor names -> this model's fused layout, cast to dtype on device."""
+    hf: dict[str, torch.Tensor] = {}
+    for path in _safetensors_files(directory):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                hf[key] = f.get_tensor(key).to(device=device, dtype=dtype)
+
+    def take(key: str) -> torch.Tensor:
+        if key not in hf:
+            raise ValueError(f"weights: tensor {key!r} is missing from {directory}")
+        return hf.pop(key)
+
+    state = {"tok_embeddings.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    for i in range(args.n_layers):
+        hf_prefix, prefix = f"model.layers.{i}.", f"layers.{i}."
+        qkv = [take(f"{hf_prefix}self_attn.{p}_proj.weight") for p in "qkv"]
+        state[prefix + "attention.wqkv.weight"] = torch.cat(qkv, dim=0)  # [H*D + 2*H_kv*D, dim]
+        if args.qkv_bias:
+            qkv_bias = [take(f"{hf_prefix}self_attn.{p}_proj.bias") for p in "qkv"]
+            state[prefix + "attention.wqkv.bias"] = torch.cat(qkv_bias, dim=0)
+        state[prefix + "attention.wo.weight"] = take(f"{hf_prefix}self_attn.o_proj.weight")
+        gate_up = [take(f"{hf_prefix}mlp.{p}_proj.weight") for p in ("gate", "up")]
+        state[prefix + "feed_forward.w13.weight"] = torch.cat(gate_up, dim=0)  # [2 * ffn, dim]
+        state[prefix + "feed_forward.w2.weight"] = take(f"{hf_prefix}mlp.down_proj.weight")
+        state[prefix + "attention_norm.weight"] = take(f"{hf_prefix}input_layernorm.weight")
+        state[prefix + "ffn_norm.weight"] = take(f"{hf_prefix}post_attention_layernorm.weight")
+    if args.tie_embeddings:
+        hf.pop("lm_head.weight", None)  # some tied checkpoints store a copy; the embedding is the one used
+        state["output.weight"] = state["tok_embeddings.weight"]
+    else:
+        state["output.weight"] = take("lm_head.weight")
+    # Old checkpoints saved RoPE's inv_freq; it is recomputed here.
+    leftover = sorted(key for key in hf if not key.endswith("rotary_emb.inv_freq"))
+    if leftover:
+        raise ValueError(f"weights: {len(leftover)} tensors this model does not use, e.g. {leftover[0]!r}")
+    return state
+
+
+def build_model(
+    args: ModelArgs,
+    *,
+    weights: str = "dummy",
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int,
+    n_positions: int,
+) -> Transformer:
+    """The model in eval mode with RoPE tables for n_positions, weights "dummy" (seeded) or a HF directory."""
+    device = torch.device(device)
+    with torch.device("meta"):  # shapes only: no memory until the weights arrive
+        model = Transformer(args)
+    model = model.to(dtype=dtype)
+    if weights == "dummy":
+        model.to_empty(device=device)
+        model.tie_weights()  # to_empty materializes each module's parameter separately
+        _fill_dummy(model, seed=seed, device=device)
+    else:
+        state = _read_hf_state_dict(Path(weights), args=args, dtype=dtype, device=device)
+        model.load_state_dict(state, strict=True, assign=True)
+        model.tie_weights()  # assign=True wraps each entry in its own Parameter
+    model.setup_rope(n_positions)
+    # Inference only: no autograd bookkeeping even if a caller forgets torch.inference_mode.
+    return model.eval().requires_grad_(False)
+
+
+def load_args(weights: str, preset: str) -> ModelArgs:
+    """The model's ModelArgs without reading a tensor: the preset for "dummy", else the checkpoint's config.json.
+
+    For a checkpoint the preset is ignored and the model is named after its directory.
+    """
+    if weights == "dummy":
+        return ModelArgs.from_name(preset)
+    directory = Path(weights)
+    if not directory.is_dir():
+        raise ValueError(f"weights: {weights!r} is neither 'dummy' nor an existing directory")
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"weights: {weights!r} has no config.json (expected a Hugging Face checkpoint)")
+    if not any(directory.glob("*.safetensors")):
+        raise ValueError(f"weights: {weights!r} has no *.safetensors files (pickled .bin checkpoints are not read)")
+    config = json.loads(config_path.read_text())
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"weights: {weights!r} has model_type {model_type!r}; allowed: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return ModelArgs.from_hf_config(config, name=directory.resolve().name)
+
+
+def weights_bytes(model: nn.Module) -> int:
+    """Bytes of all parameters; `parameters()` yields a tied tensor once."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -1,0 +1,139 @@
+"""Memory probes: the torch allocator's peaks, NVML device and process usage sampled by a thread, and RSS.
+
+A probe that cannot apply on this device reports None (a null column), never 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import sys
+import threading
+
+import psutil
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def rss_bytes() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def peak_rss_bytes() -> int:
+    """High-water mark of this process's resident set (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+class NvmlSampler:
+    """Samples device-used and this process's used GPU memory every `interval_s` on a background thread.
+
+    NVML sees what the torch allocator cannot: the CUDA context, cuBLAS workspaces, other processes.
+    """
+
+    def __init__(self, device_index: int, interval_s: float = 0.01) -> None:
+        import pynvml  # nvidia-ml-py; imported here so CPU-only runs never need a driver
+
+        self.nvml = pynvml
+        pynvml.nvmlInit()
+        self.handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        self.interval_s = interval_s
+        self.pid = os.getpid()
+        self.peak_used_bytes = 0
+        self.peak_process_bytes: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
+
+    def used_bytes(self) -> int:
+        return int(self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
+
+    def process_bytes(self) -> int | None:
+        try:
+            procs = self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle)
+        except self.nvml.NVMLError:
+            return None  # not permitted in some containers
+        used = [p.usedGpuMemory for p in procs if p.pid == self.pid and p.usedGpuMemory is not None]
+        return int(sum(used)) if used else None
+
+    def _sample(self) -> None:
+        self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes())
+        process = self.process_bytes()
+        if process is not None:
+            self.peak_process_bytes = max(self.peak_process_bytes or 0, process)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __enter__(self) -> NvmlSampler:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        self.nvml.nvmlShutdown()
+
+
+class MemoryProbe:
+    """Everything a point records about memory, read around its measured region.
+
+    Use: probe = MemoryProbe(device); probe.baseline() before the model loads; `with probe:` around the work;
+    then probe.columns().
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.sampler: NvmlSampler | None = None
+        self.baseline_bytes: int | None = None
+
+    def baseline(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            try:
+                self.sampler = NvmlSampler(self.device.index or 0)
+                self.baseline_bytes = self.sampler.used_bytes()
+            except Exception as exc:  # no driver access (some containers): NVML columns stay null
+                log.warning("NVML unavailable, its columns will be null: %s", exc)
+                self.sampler = None
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.baseline_bytes = rss_bytes()
+
+    def __enter__(self) -> MemoryProbe:
+        if self.sampler is not None:
+            self.sampler.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.sampler is not None:
+            self.sampler.__exit__(*exc)
+
+    def columns(self) -> dict:
+        if self.device.type != "cuda":
+            return {
+                "peak_mem_bytes": peak_rss_bytes(),
+                "mem_baseline_bytes": self.baseline_bytes,
+                "torch_peak_allocated_bytes": None,
+                "torch_peak_reserved_bytes": None,
+                "nvml_peak_used_bytes": None,
+                "nvml_process_peak_bytes": None,
+            }
+        sampler = self.sampler
+        allocated = torch.cuda.max_memory_allocated(self.device)
+        process = sampler.peak_process_bytes if sampler else None
+        return {
+            # NVML's view of this process when the driver exposes it; else the allocator's reserved peak.
+            "peak_mem_bytes": process if process is not None else torch.cuda.max_memory_reserved(self.device),
+            "mem_baseline_bytes": self.baseline_bytes,
+            "torch_peak_allocated_bytes": allocated,
+            "torch_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
+            "nvml_peak_used_bytes": sampler.peak_used_bytes if sampler else None,
+            "nvml_process_peak_bytes": process,
+        }

@@ -1,0 +1,434 @@
+"""The column contract of a result row, and how rows reach disk and come back.
+
+One measured sweep point is one row: a flat dict of named scalars whose units live in their names (`_ms`, `_bytes`,
+`_tok_s`), plus `itl_ms`, the list of per-step decode latencies. `COLUMNS` below is the only place the schema is
+written down; the Parquet type, the README table and the loader's column order all come from it.
+
+Each point is written to its own `<point_id>.parquet`, atomically (temp file, fsync, rename), so a sweep that
+crashes or is killed leaves only whole rows behind, and a rerun of the same point replaces its file.
+
+    python -m harness.results show results/ --sweep 2024-06-01_12-00
+    python -m harness.results export results/ all.csv
+    python -m harness.results columns          # the Markdown table the README embeds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+logger = logging.getLogger(__name__)
+
+# Bump when a column changes meaning or type. Adding a column needs no bump: older files load with it null.
+SCHEMA_VERSION = 1
+
+_ARROW_TYPES = {
+    "string": pa.string(),
+    "int64": pa.int64(),
+    "float64": pa.float64(),
+    "bool": pa.bool_(),
+    "list<float64>": pa.list_(pa.float64()),
+}
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: str  # one of _ARROW_TYPES
+    unit: str  # "" when the value has none (names, counts, ratios)
+    description: str
+
+    def __post_init__(self) -> None:
+        if self.type not in _ARROW_TYPES:
+            raise ValueError(f"column {self.name!r}: type {self.type!r} is not one of {sorted(_ARROW_TYPES)}")
+
+
+COLUMNS: tuple[Column, ...] = (
+    # Identity
+    Column("point_id", "string", "", "Stable hash of the measurement config; also the row's file name"),
+    Column("sweep_id", "string", "", "Identifier of the sweep (one invocation) that produced the row"),
+    Column("status", "string", "", "Outcome of the point: ok, oom, error or unsupported"),
+    Column("error", "string", "", "Error message when status is not ok; null when ok"),
+    # Config
+    Column("model", "string", "", "Model preset name"),
+    Column("n_params", "int64", "", "Number of model parameters"),
+    Column("n_layers", "int64", "", "Transformer layers"),
+    Column("n_heads", "int64", "", "Query heads per layer"),
+    Column("n_kv_heads", "int64", "", "Key/value heads per layer (fewer than n_heads under GQA/MQA)"),
+    Column("head_dim", "int64", "", "Channels per attention head"),
+    Column("dtype", "string", "", "Compute dtype of weights and activations, e.g. bfloat16"),
+    Column("kv_dtype", "string", "", "Storage dtype of the KV cache"),
+    Column("cache", "string", "", "KV-cache strategy name"),
+    Column("block_size", "int64", "tokens", "Tokens per KV block; null unless the cache is paged"),
+    Column("pool_tokens", "int64", "tokens", "Token capacity of the KV block pool; null unless the cache is paged"),
+    Column("batch_size", "int64", "", "Sequences decoded together"),
+    Column("prompt_len", "int64", "tokens", "Prompt tokens per sequence"),
+    Column("gen_len", "int64", "tokens", "Tokens generated per sequence, the first one included"),
+    Column("device", "string", "", "cpu or cuda"),
+    Column("weights", "string", "", "dummy (random weights) or the checkpoint path"),
+    Column("seed", "int64", "", "Random seed of the weights and prompt tokens"),
+    Column("max_memory_gb", "float64", "GB", "Memory cap given to the run; null when unset"),
+    # Latency
+    Column("ttft_ms", "float64", "ms", "Time to first token (prefill plus the first token), median over repeats"),
+    Column("ttft_p90_ms", "float64", "ms", "90th percentile of TTFT over repeats"),
+    Column("ttft_p99_ms", "float64", "ms", "99th percentile of TTFT over repeats"),
+    Column(
+        "tpot_ms",
+        "float64",
+        "ms",
+        "Time per output token after the first: median over repeats of each repeat's mean decode-step time",
+    ),
+    Column("tpot_p90_ms", "float64", "ms", "90th percentile over repeats of the per-repeat TPOT"),
+    Column("tpot_p99_ms", "float64", "ms", "99th percentile over repeats of the per-repeat TPOT"),
+    Column("tpot_cv", "float64", "", "Coefficient of variation (std / mean) of the per-repeat TPOT"),
+    Column("itl_ms", "list<float64>", "ms", "Latency of every decode step, in order; element-wise median over repeats"),
+    Column("itl_p50_ms", "float64", "ms", "Median inter-token latency over all decode steps of all repeats"),
+    Column("itl_p90_ms", "float64", "ms", "90th percentile inter-token latency over all decode steps of all repeats"),
+    Column("itl_p99_ms", "float64", "ms", "99th percentile inter-token latency over all decode steps of all repeats"),
+    Column("decode_tok_s", "float64", "tok/s", "Decode throughput: batch_size × (gen_len − 1) / decode time"),
+    Column("prefill_tok_s", "float64", "tok/s", "Prefill throughput: batch_size × prompt_len / TTFT"),
+    Column("e2e_ms", "float64", "ms", "End-to-end time of one generation (prefill and every decode step)"),
+    Column("repeats", "int64", "", "Measured repeats, warm-up excluded"),
+    # Memory
+    Column("weights_bytes", "int64", "bytes", "Model parameters, at their stored dtype"),
+    Column("kv_bytes_allocated", "int64", "bytes", "KV storage the cache holds, used or not (buffers, whole blocks)"),
+    Column("kv_bytes_live", "int64", "bytes", "KV storage the cached tokens actually need, at kv_dtype"),
+    Column(
+        "kv_bytes_predicted",
+        "int64",
+        "bytes",
+        "Analytic KV size: 2 × n_layers × (prompt_len + gen_len) × n_kv_heads × head_dim × bytes(kv_dtype) × batch_size",
+    ),
+    Column(
+        "peak_mem_bytes",
+        "int64",
+        "bytes",
+        "Peak memory of the run: on CPU the peak RSS of the measuring process, on CUDA the NVML process-used peak",
+    ),
+    Column("mem_baseline_bytes", "int64", "bytes", "The peak_mem_bytes measure taken before the model loads"),
+    Column("torch_peak_allocated_bytes", "int64", "bytes", "torch.cuda.max_memory_allocated (tensors); null on CPU"),
+    Column(
+        "torch_peak_reserved_bytes", "int64", "bytes", "torch.cuda.max_memory_reserved (caching allocator); null on CPU"
+    ),
+    Column("nvml_peak_used_bytes", "int64", "bytes", "Peak device memory in use, all processes (NVML); null on CPU"),
+    Column("nvml_process_peak_bytes", "int64", "bytes", "Peak device memory used by this process (NVML); null on CPU"),
+    # Output
+    Column("output_digest", "string", "", "sha256 hex of the generated token ids: equal digests, equal outputs"),
+    # Environment
+    Column("git_sha", "string", "", "Commit of the harness that produced the row"),
+    Column("host", "string", "", "Host name of the machine"),
+    Column("device_name", "string", "", "Device model: GPU name, or CPU brand on CPU"),
+    Column("torch_version", "string", "", "torch.__version__"),
+    Column("started_at", "string", "", "Start of the measurement, ISO-8601 UTC"),
+    Column("schema_version", "int64", "", "SCHEMA_VERSION of the writer; filled in by write_point when absent"),
+)
+
+# A point_id becomes a file name: keep it to characters that are safe everywhere, and never hidden.
+_POINT_ID_PATTERN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+_EXPORT_SUFFIXES = (".csv", ".parquet")
+_ERROR_WIDTH_CHARS = 60  # format_summary: keeps a failed row on one terminal line
+_MIB_BYTES = 2**20
+
+
+def arrow_schema() -> pa.Schema:
+    """The typed Arrow schema of a row; each field carries its unit and description as metadata."""
+    return pa.schema(
+        [
+            pa.field(c.name, _ARROW_TYPES[c.type], metadata={"unit": c.unit, "description": c.description})
+            for c in COLUMNS
+        ],
+        metadata={"kvbench.schema_version": str(SCHEMA_VERSION)},
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------- write
+
+
+def write_point(row: dict, directory: str | Path) -> Path:
+    """Write one row to `directory/<point_id>.parquet` atomically and return that path.
+
+    Unknown keys are rejected; missing keys are written as nulls of their column's type.
+    """
+    names = {c.name for c in COLUMNS}
+    for key in row:
+        if key not in names:
+            raise ValueError(f"unknown result column {key!r}; add it to harness.results.COLUMNS first")
+    point_id = row.get("point_id")
+    if not isinstance(point_id, str) or not _POINT_ID_PATTERN.fullmatch(point_id):
+        raise ValueError(
+            f"point_id must be a non-empty string of [A-Za-z0-9_.-] not starting with '.', got {point_id!r}"
+        )
+    row = {"schema_version": SCHEMA_VERSION, **row}
+
+    schema = arrow_schema()
+    arrays = [_one_value_array(field=field, value=row.get(field.name)) for field in schema]
+    table = pa.Table.from_arrays(arrays, schema=schema)
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{point_id}.parquet"
+    _write_parquet_atomic(table=table, path=path)
+    logger.debug("wrote %s", path)
+    return path
+
+
+def _one_value_array(field: pa.Field, value: object) -> pa.Array:
+    try:
+        # from_pandas: a float NaN becomes null, so "not measured" has one spelling on disk.
+        return pa.array([value], type=field.type, from_pandas=True)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError) as exc:
+        raise ValueError(f"column {field.name!r} ({field.type}) cannot hold {value!r}: {exc}") from None
+
+
+def _write_parquet_atomic(table: pa.Table, path: Path) -> None:
+    """Write to a hidden temp file beside `path`, fsync it, then rename over `path`.
+
+    The rename is atomic on POSIX, so readers see either the old file or the whole new one; load() skips the
+    hidden temp name, so a crash mid-write leaves nothing that passes for a row.
+    """
+    tmp_path = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp_path.open("wb") as f:
+            pq.write_table(table, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)  # makes the rename itself survive a power loss
+
+
+def _fsync_directory(directory: Path) -> None:
+    if not hasattr(os, "O_DIRECTORY"):  # Windows cannot open a directory; its rename is durable enough
+        return
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------------------------------------- load
+
+
+def load(path: str | Path) -> pd.DataFrame:
+    """Every row under `path` (a directory, searched recursively, or one .parquet file) as one DataFrame.
+
+    Columns come in COLUMNS order, then any columns unknown to this schema (written by a newer one). Integer and
+    bool columns use pandas' nullable dtypes (Int64, boolean) so nulls do not turn them into floats; itl_ms cells
+    are lists of floats (or None).
+    """
+    return _table_to_frame(_load_table(Path(path)))
+
+
+def _load_table(path: Path) -> pa.Table:
+    tables = [_conform(table=_read_parquet(file), source=file) for file in _parquet_files(path)]
+    if not tables:
+        return arrow_schema().empty_table()
+    merged = pa.concat_tables(tables, promote_options="permissive")
+    known = [c.name for c in COLUMNS]
+    extras = [name for name in merged.column_names if name not in known]
+    return merged.select(known + extras)
+
+
+def _parquet_files(path: Path) -> list[Path]:
+    if path.is_file():
+        if path.suffix != ".parquet":
+            raise ValueError(f"{path} is not a .parquet file or a directory of them")
+        return [path]
+    if not path.exists():
+        if path.suffix == ".parquet":
+            raise FileNotFoundError(path)
+        logger.info("%s does not exist: no results", path)
+        return []
+    # Skip hidden files and folders: write_point's temp files, editor and notebook leftovers.
+    return sorted(
+        file
+        for file in path.rglob("*.parquet")
+        if file.is_file() and not any(part.startswith(".") for part in file.relative_to(path).parts)
+    )
+
+
+def _read_parquet(path: Path) -> pa.Table:
+    try:
+        return pq.read_table(path)
+    except pa.ArrowInvalid as exc:  # pyarrow's message does not say which file
+        raise ValueError(f"{path}: not a readable parquet file: {exc}") from None
+
+
+def _conform(table: pa.Table, source: Path) -> pa.Table:
+    """Cast the known columns to this schema's types and add the ones the file lacks as nulls; keep extras."""
+    schema = arrow_schema()
+    arrays, fields = [], []
+    for field in schema:
+        if field.name in table.column_names:
+            column = table.column(field.name)
+            try:
+                column = column.cast(field.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+                raise ValueError(f"{source}: column {field.name!r} cannot be read as {field.type}: {exc}") from None
+        else:
+            column = pa.nulls(table.num_rows, type=field.type)
+        arrays.append(column)
+        fields.append(field)
+    for field in table.schema:
+        if field.name not in schema.names:
+            arrays.append(table.column(field.name))
+            fields.append(field.remove_metadata())
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
+def _table_to_frame(table: pa.Table) -> pd.DataFrame:
+    nullable = {pa.int64(): pd.Int64Dtype(), pa.bool_(): pd.BooleanDtype()}
+    df = table.to_pandas(types_mapper=nullable.get)
+    for column in COLUMNS:
+        if column.type.startswith("list<"):
+            df[column.name] = pd.Series([_as_list(v) for v in df[column.name]], index=df.index, dtype=object)
+    return df
+
+
+def _as_list(value: object) -> list | None:
+    # Arrow hands lists back as numpy arrays; plain lists compare with == and serialise to JSON as they are.
+    return None if value is None else [float(x) for x in value]
+
+
+# --------------------------------------------------------------------------------------------------------- export
+
+
+def export(src: str | Path, out: str | Path) -> Path:
+    """Write every row under `src` to one .csv or .parquet file, chosen by the suffix of `out`."""
+    src, out = Path(src), Path(out)
+    if out.suffix not in _EXPORT_SUFFIXES:
+        raise ValueError(f"cannot export to {out.name!r}: the suffix must be one of {', '.join(_EXPORT_SUFFIXES)}")
+    if out.suffix == ".parquet" and src.is_dir() and out.resolve().is_relative_to(src.resolve()):
+        raise ValueError(f"{out} is inside {src}: load() would read the export back as duplicate rows")
+    table = _load_table(src)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".parquet":
+        _write_parquet_atomic(table=table, path=out)
+    else:
+        df = _table_to_frame(table)
+        for column in COLUMNS:
+            if column.type.startswith("list<"):
+                df[column.name] = [None if v is None else json.dumps(v) for v in df[column.name]]
+        df.to_csv(out, index=False)
+    logger.info("exported %d rows to %s", table.num_rows, out)
+    return out
+
+
+# -------------------------------------------------------------------------------------------------------- summary
+
+
+def format_summary(df: pd.DataFrame) -> str:
+    """A fixed-width table, one line per row; failed rows end with their error, shortened."""
+    if df.empty:
+        return "(no results)"
+    df = df.reindex(columns=[c.name for c in COLUMNS]).sort_values(
+        ["model", "cache", "kv_dtype", "batch_size", "prompt_len"], na_position="last", kind="stable"
+    )
+    # (header, column, format, is text): text is left-aligned, numbers right-aligned.
+    layout = [
+        ("status", "status", "{}", True),
+        ("model", "model", "{}", True),
+        ("cache", "cache", "{}", True),
+        ("kv_dtype", "kv_dtype", "{}", True),
+        ("batch", "batch_size", "{:.0f}", False),
+        ("prompt", "prompt_len", "{:.0f}", False),
+        ("gen", "gen_len", "{:.0f}", False),
+        ("ttft ms", "ttft_ms", "{:.2f}", False),
+        ("tpot ms", "tpot_ms", "{:.3f}", False),
+        ("decode tok/s", "decode_tok_s", "{:.1f}", False),
+        ("KV alloc MiB", "kv_bytes_allocated", "MiB", False),
+        ("KV live MiB", "kv_bytes_live", "MiB", False),
+        ("peak MiB", "peak_mem_bytes", "MiB", False),
+    ]
+    cells = [[_format_cell(value, fmt) for value in df[name]] for _, name, fmt, _ in layout]
+    widths = [
+        max(len(header), *(len(cell) for cell in column)) for (header, *_), column in zip(layout, cells, strict=True)
+    ]
+
+    def line(texts: Sequence[str]) -> str:
+        return "  ".join(
+            text.ljust(width) if is_text else text.rjust(width)
+            for text, width, (*_, is_text) in zip(texts, widths, layout, strict=True)
+        )
+
+    lines = [line([header for header, *_ in layout])]
+    for i, (status, error) in enumerate(zip(df["status"], df["error"], strict=True)):
+        text = line([column[i] for column in cells])
+        if status != "ok":
+            text += "  " + _shorten(error)
+        lines.append(text.rstrip())
+    return "\n".join(lines)
+
+
+def _format_cell(value: object, fmt: str) -> str:
+    if value is None or pd.isna(value):
+        return "-"
+    if fmt == "MiB":
+        return f"{value / _MIB_BYTES:.1f}"
+    return fmt.format(value)
+
+
+def _shorten(error: object) -> str:
+    if error is None or pd.isna(error) or not str(error).strip():
+        return "-"
+    text = " ".join(str(error).split())  # one line: tracebacks and multi-line messages collapse
+    return text if len(text) <= _ERROR_WIDTH_CHARS else text[: _ERROR_WIDTH_CHARS - 1] + "…"
+
+
+def columns_markdown() -> str:
+    """The column contract as a Markdown table, for the README (between the columns:start/end markers)."""
+    lines = ["| Column | Type | Unit | Meaning |", "|---|---|---|---|"]
+    for c in COLUMNS:
+        meaning = c.description.replace("|", r"\|")  # a bare pipe would split the cell
+        lines.append(f"| `{c.name}` | {c.type} | {c.unit} | {meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------------------ CLI
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.results", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    export_parser = commands.add_parser("export", help="merge every row under SRC into one .csv or .parquet file")
+    export_parser.add_argument("src", type=Path, help="results directory (searched recursively) or .parquet file")
+    export_parser.add_argument("out", type=Path, help="output file; its suffix (.csv or .parquet) picks the format")
+    show_parser = commands.add_parser("show", help="print a summary table of the rows under SRC")
+    show_parser.add_argument("src", type=Path, help="results directory (searched recursively) or .parquet file")
+    show_parser.add_argument("--sweep", metavar="ID", help="only rows whose sweep_id is ID")
+    commands.add_parser("columns", help="print the column contract as a Markdown table")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    try:
+        if args.command == "export":
+            export(src=args.src, out=args.out)
+        elif args.command == "show":
+            df = load(args.src)
+            if args.sweep is not None:
+                df = df[df["sweep_id"] == args.sweep]
+            print(format_summary(df))
+        else:
+            print(columns_markdown(), end="")
+    except (ValueError, FileNotFoundError) as exc:
+        logger.error("%s", exc)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

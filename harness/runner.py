@@ -1,0 +1,98 @@
+"""Run a point in its own spawned process, so that one OOM or crash cannot poison the next point.
+
+Whatever happens in the child becomes a row: `ok` with its measurements, `oom` when memory ran out (torch's
+allocator, the KV pool, or the kernel's OOM killer), `error` with the message otherwise. The parent never raises
+for a point's failure; a sweep goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import resource
+import signal
+import traceback
+
+import torch
+
+from harness import bench
+from harness.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+_OOM_MESSAGES = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def run_point(cfg: RunConfig) -> dict:
+    """The row for one point: measured in a spawned child when cfg.isolate, else in this process."""
+    if not cfg.isolate:
+        if cfg.max_memory_gb is not None:
+            log.warning("max_memory_gb is applied only to isolated points; isolate=false ignores it")
+        return _guarded(cfg)
+    ctx = mp.get_context("spawn")  # never fork a process that may hold a CUDA context
+    receiver, sender = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child_main, args=(cfg, sender), name=f"kvbench-{cfg.point_id()}")
+    child.start()
+    sender.close()  # the child holds the only write end: EOF below means it died without a word
+    try:
+        row = receiver.recv()
+    except EOFError:
+        row = None
+    child.join()
+    if row is not None:
+        return row
+    if child.exitcode == -signal.SIGKILL:
+        return failure_row(cfg, "oom", "measuring process killed by SIGKILL (the host ran out of memory?)")
+    return failure_row(cfg, "error", f"measuring process died with exit code {child.exitcode}")
+
+
+def _child_main(cfg: RunConfig, sender) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    limit_memory(cfg)
+    sender.send(_guarded(cfg))
+    sender.close()
+
+
+def _guarded(cfg: RunConfig) -> dict:
+    try:
+        return bench.run_point(cfg)
+    except Exception as exc:
+        status = "oom" if is_oom(exc) else "error"
+        if status == "error":
+            log.error("point %s failed:\n%s", cfg.point_id(), traceback.format_exc())
+        return failure_row(cfg, status, f"{type(exc).__name__}: {exc}")
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)):  # KVPoolExhausted is a MemoryError
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _OOM_MESSAGES)
+
+
+def limit_memory(cfg: RunConfig) -> None:
+    """Make OOM reproducible: cap this process at max_memory_gb.
+
+    CPU: RLIMIT_DATA bounds the private writable memory (heap and anonymous maps) the process may hold, so a
+    tensor allocation past it fails cleanly instead of inviting the kernel's OOM killer. CUDA: the allocator's
+    per-process memory fraction. Only meant for the spawned child: the limit lasts as long as the process.
+    """
+    if cfg.max_memory_gb is None:
+        return
+    limit_bytes = int(cfg.max_memory_gb * 2**30)
+    device = cfg.torch_device()
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), device)
+    else:
+        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        if hard != resource.RLIM_INFINITY:
+            limit_bytes = min(limit_bytes, hard)
+        resource.setrlimit(resource.RLIMIT_DATA, (limit_bytes, hard))
+
+
+def failure_row(cfg: RunConfig, status: str, error: str) -> dict:
+    device = cfg.torch_device()
+    return bench.config_columns(cfg) | bench.environment_columns(device) | {"status": status, "error": error}

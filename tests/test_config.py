@@ -1,0 +1,122 @@
+"""Validation: every bad input fails fast with one line naming the field and what it allows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from harness.config import ConfigError, RunConfig, check_storable
+from experiments.decode import ConfigStore  # noqa: F401  registers the run_config schema
+
+CONF = Path(__file__).parents[1] / "conf"
+
+
+def bad(match: str, **fields) -> None:
+    with pytest.raises(ConfigError, match=match) as info:
+        RunConfig(**fields)
+    assert "\n" not in str(info.value)
+
+
+def test_defaults_are_valid():
+    cfg = RunConfig()
+    assert cfg.kv_dtype_name == cfg.dtype and cfg.cache == {"name": "contiguous"}
+
+
+def test_unknown_model_names_the_presets():
+    bad(r"^model: unknown preset 'gpt-5'; allowed: .*llama-3\.1-8b.*tiny", model={"name": "gpt-5"})
+
+
+def test_unknown_cache_names_the_strategies():
+    bad(r"^cache: unknown strategy 'lru'; allowed: contiguous, none, paged", cache={"name": "lru"})
+
+
+def test_unknown_dtype_and_kv_dtype_name_the_allowed_values():
+    bad(r"^dtype: unknown value 'fp64'; allowed: fp32, fp16, bf16$", dtype="fp64")
+    bad(r"^kv_dtype: unknown value 'int3'; allowed: auto, fp32, fp16, bf16", kv_dtype="int3")
+
+
+def test_unknown_device_is_rejected():
+    bad(r"^device: unknown value 'tpu'; allowed: auto, cpu, cuda", device="tpu")
+
+
+@pytest.mark.parametrize("field", ["batch_size", "prompt_len", "gen_len", "max_repeats", "max_time_s"])
+def test_non_positive_sizes_are_rejected(field):
+    bad(rf"^{field}: must be positive, got 0", **{field: 0})
+
+
+def test_gen_len_of_one_has_no_tpot():
+    bad(r"^gen_len: must be at least 2", gen_len=1)
+
+
+def test_non_positive_memory_cap_is_rejected():
+    bad(r"^max_memory_gb: must be positive", max_memory_gb=0)
+
+
+def test_context_longer_than_the_model_supports_is_rejected():
+    bad(r"^prompt_len \+ gen_len: 8200 exceeds tiny's 8192 positions", model={"name": "tiny"}, prompt_len=8100, gen_len=100)
+
+
+def test_bad_cache_option_names_it():
+    bad(r"^cache\.block_size: must be a positive", cache={"name": "paged", "block_size": -1})
+
+
+def test_kv_dtype_the_device_cannot_store_is_rejected():
+    with pytest.raises(ConfigError, match=r"^kv_dtype: bf16 needs compute capability 8\.0\+.*allowed here: fp32, fp16"):
+        check_storable("kv_dtype", "bf16", torch.device("cuda"), (7, 5))
+    check_storable("kv_dtype", "bf16", torch.device("cuda"), (9, 0))
+    check_storable("kv_dtype", "bf16", torch.device("cpu"), None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_a_gpu_is_rejected():
+    bad(r"^device: cuda requested but no CUDA device is available", device="cuda")
+
+
+def test_missing_weights_directory_is_rejected(tmp_path):
+    bad(r"^weights: .*nor an existing directory", weights=str(tmp_path / "nope"))
+
+
+def test_unsupported_checkpoint_architecture_is_rejected(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    bad(r"^weights: .*gpt2.*allowed: llama, mistral, qwen2", weights=str(tmp_path))
+
+
+def test_point_id_is_stable_and_ignores_the_output_location():
+    a = RunConfig(batch_size=4, results_dir="a", isolate=True)
+    b = RunConfig(batch_size=4, results_dir="b", isolate=False)
+    assert a.point_id() == b.point_id()
+    assert a.point_id() != RunConfig(batch_size=8).point_id()
+    assert RunConfig(kv_dtype="auto").point_id() == RunConfig(kv_dtype="bf16").point_id()
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize(
+    "override",
+    [f"model={m}" for m in group_options("model")]
+    + [f"cache={c}" for c in group_options("cache")]
+    + [f"experiment={e}" for e in group_options("experiment") if "gpu" not in e],
+)
+def test_every_config_group_option_composes_into_a_valid_run_config(override):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="config", overrides=[override])
+    from omegaconf import OmegaConf
+
+    run = RunConfig(**OmegaConf.to_container(cfg, resolve=True))
+    if override.startswith("cache="):
+        assert run.cache["name"] == override.split("=")[1]
+
+
+def test_gpu_experiments_compose_and_name_cuda():
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        for name in group_options("experiment"):
+            if "gpu" in name:
+                cfg = compose(config_name="config", overrides=[f"experiment={name}"])
+                assert cfg.device == "cuda"

@@ -1,0 +1,139 @@
+"""The KV-cache strategies: same tokens as recomputation, honest byte counts, and the paged pool's bookkeeping."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import kv
+from harness.decode import generate
+from harness.kv.base import CacheSpec, KVPoolExhausted
+from harness.timing import StepTimer
+
+CPU = torch.device("cpu")
+CONF_CACHE = Path(__file__).parents[1] / "conf" / "cache"
+
+
+def spec_for(args, *, batch_size: int, max_tokens: int, kv_dtype=torch.float32) -> CacheSpec:
+    return CacheSpec(
+        n_layers=args.n_layers, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim, batch_size=batch_size,
+        max_tokens=max_tokens, kv_dtype=kv_dtype, device=CPU,
+    )
+
+
+def greedy(model, args, name: str, *, batch_size: int, prompt_len: int, gen_len: int, options=None, kv_dtype=torch.float32):
+    spec = spec_for(args, batch_size=batch_size, max_tokens=prompt_len + gen_len, kv_dtype=kv_dtype)
+    cache = kv.build(name, spec, options or {})
+    prompt = torch.randint(args.vocab_size, (batch_size, prompt_len), generator=torch.Generator().manual_seed(1))
+    tokens, sample = generate(model, cache, prompt, gen_len, StepTimer(CPU, n_marks=gen_len))
+    return tokens, cache, sample
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "prompt_len", "gen_len"),
+    [(1, 5, 12), (3, 16, 9), (2, 23, 20), (4, 1, 17)],  # 23 + 20 and 1 + 17: not multiples of the block size
+)
+def test_every_strategy_generates_the_same_greedy_tokens_in_fp32(tiny_model, tiny_args, batch_size, prompt_len, gen_len):
+    outputs = {
+        name: greedy(tiny_model, tiny_args, name, batch_size=batch_size, prompt_len=prompt_len, gen_len=gen_len)[0]
+        for name in ("none", "contiguous", "paged")
+    }
+    assert outputs["none"].shape == (batch_size, gen_len)
+    assert torch.equal(outputs["none"], outputs["contiguous"])
+    assert torch.equal(outputs["none"], outputs["paged"])
+
+
+def test_paged_with_small_blocks_matches_contiguous(tiny_model, tiny_args):
+    contiguous, *_ = greedy(tiny_model, tiny_args, "contiguous", batch_size=2, prompt_len=7, gen_len=10)
+    paged, *_ = greedy(tiny_model, tiny_args, "paged", batch_size=2, prompt_len=7, gen_len=10, options={"block_size": 3})
+    assert torch.equal(contiguous, paged)
+
+
+def test_timer_reports_ttft_and_one_interval_per_decode_step(tiny_model, tiny_args):
+    _, _, sample = greedy(tiny_model, tiny_args, "contiguous", batch_size=1, prompt_len=4, gen_len=6)
+    assert len(sample.step_ms) == 5
+    assert sample.ttft_ms > 0 and all(ms > 0 for ms in sample.step_ms)
+
+
+def test_contiguous_allocates_exactly_the_formula_for_the_full_length(tiny_args):
+    batch_size, max_tokens = 3, 40
+    cache = kv.build("contiguous", spec_for(tiny_args, batch_size=batch_size, max_tokens=max_tokens), {})
+    formula = 2 * tiny_args.n_layers * max_tokens * tiny_args.n_kv_heads * tiny_args.head_dim * 4 * batch_size
+    assert cache.kv_bytes_allocated() == formula
+
+
+def test_live_bytes_follow_the_tokens_present_for_both_caches(tiny_model, tiny_args):
+    batch_size, prompt_len, gen_len = 2, 21, 6
+    present = prompt_len + gen_len - 1  # the last generated token is never fed back
+    formula = 2 * tiny_args.n_layers * present * tiny_args.n_kv_heads * tiny_args.head_dim * 4 * batch_size
+    for name in ("contiguous", "paged"):
+        spec = spec_for(tiny_args, batch_size=batch_size, max_tokens=prompt_len + gen_len)
+        cache = kv.build(name, spec, {})
+        prompt = torch.zeros((batch_size, prompt_len), dtype=torch.long)
+        generate(tiny_model, cache, prompt, gen_len, StepTimer(CPU, n_marks=gen_len))
+        assert cache.kv_bytes_live() == formula, name
+
+
+def test_storage_dtype_is_independent_of_compute_dtype(tiny_model, tiny_args):
+    fp32, fp32_cache, _ = greedy(tiny_model, tiny_args, "contiguous", batch_size=2, prompt_len=8, gen_len=5)
+    bf16, bf16_cache, _ = greedy(
+        tiny_model, tiny_args, "paged", batch_size=2, prompt_len=8, gen_len=5, kv_dtype=torch.bfloat16
+    )
+    assert bf16_cache.pool.dtype == torch.bfloat16
+    assert bf16_cache.kv_bytes_live() * 2 == fp32_cache.kv_bytes_live()
+    assert bf16.shape == fp32.shape
+
+
+def test_paged_takes_blocks_on_demand_and_returns_them_on_completion(tiny_model, tiny_args):
+    spec = spec_for(tiny_args, batch_size=2, max_tokens=40)
+    cache = kv.build("paged", spec, {"block_size": 16})
+    assert cache.blocks_in_use() == 0
+    cache.prepare(0, 17)  # 17 tokens need 2 blocks per sequence
+    assert cache.blocks_in_use() == 4
+    cache.prepare(17, 1)  # still inside the second block
+    assert cache.blocks_in_use() == 4
+    cache.prepare(32, 1)  # token 33 opens a third block
+    assert cache.blocks_in_use() == 6
+    cache.release()
+    assert cache.blocks_in_use() == 0 and len(cache.free_blocks) == 6
+
+
+def test_paged_pool_sized_by_pool_tokens(tiny_args):
+    cache = kv.build("paged", spec_for(tiny_args, batch_size=1, max_tokens=8), {"block_size": 4, "pool_tokens": 100})
+    assert cache.pool.shape[2] == 25  # ceil(100 / 4) blocks
+    assert cache.kv_bytes_allocated() == 25 * 4 * spec_for(tiny_args, batch_size=1, max_tokens=8).bytes_per_token
+
+
+def test_an_exhausted_pool_is_an_out_of_memory_error(tiny_args):
+    cache = kv.build("paged", spec_for(tiny_args, batch_size=2, max_tokens=64), {"block_size": 16, "pool_tokens": 48})
+    cache.prepare(0, 16)
+    with pytest.raises(KVPoolExhausted, match="exhausted"):
+        cache.prepare(16, 16)  # 2 sequences x 2 blocks > 3 blocks
+    assert isinstance(KVPoolExhausted("x"), MemoryError)
+
+
+def test_released_blocks_are_reused_by_the_next_batch(tiny_model, tiny_args):
+    spec = spec_for(tiny_args, batch_size=2, max_tokens=30)
+    cache = kv.build("paged", spec, {"block_size": 8})
+    prompt = torch.randint(tiny_args.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3))
+    first, _ = generate(tiny_model, cache, prompt, 10, StepTimer(CPU, n_marks=10))
+    cache.release()
+    second, _ = generate(tiny_model, cache, prompt, 10, StepTimer(CPU, n_marks=10))
+    assert torch.equal(first, second)
+
+
+def test_strategies_are_discovered_and_each_has_a_config_file():
+    names = kv.strategy_names()
+    assert {"none", "contiguous", "paged"} <= set(names)
+    assert sorted(p.stem for p in CONF_CACHE.glob("*.yaml")) == names
+
+
+def test_unknown_strategy_and_unknown_option_name_the_field_and_allowed_values():
+    with pytest.raises(ValueError, match=r"^cache: unknown strategy 'lru'; allowed: .*contiguous.*paged"):
+        kv.parse_options("lru", {})
+    with pytest.raises(ValueError, match=r"^cache\.window: not an option of cache 'paged'; allowed: block_size"):
+        kv.parse_options("paged", {"window": 4})
+    with pytest.raises(ValueError, match=r"^cache\.block_size: must be a positive"):
+        kv.parse_options("paged", {"block_size": 0})
