@@ -33,11 +33,18 @@ class SweepProgress(Callback):
         self.done = 0
         self.started = 0.0
         self.sweep_dir: Path | None = None
+        self.swept_keys: set[str] = set()  # the keys whose value changes across points: all a progress line shows
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         jobs = sweep_jobs(config)
         self.total, self.done, self.started = len(jobs), 0, time.perf_counter()
         self.sweep_dir = Path(config.hydra.sweep.dir)
+        values: dict[str, set[str]] = {}
+        for job in jobs:
+            for override in job:
+                key, _, value = override.partition("=")
+                values.setdefault(key, set()).add(value)
+        self.swept_keys = {key for key, seen in values.items() if len(seen) > 1}
         # Validate every point before the first is measured: bad input costs a second, not half a sweep.
         for job in jobs:
             try:
@@ -54,7 +61,7 @@ class SweepProgress(Callback):
         if self.done:
             remaining_s = (time.perf_counter() - self.started) / self.done * (self.total - self.done)
             eta = f" | ETA {remaining_s / 60:.0f} min {remaining_s % 60:.0f} s"
-        point = " ".join(config.hydra.overrides.task)
+        point = " ".join(o for o in config.hydra.overrides.task if o.partition("=")[0] in self.swept_keys)
         print(f"[{self.done + 1}/{self.total}] {point}{eta}", file=sys.stderr, flush=True)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
@@ -67,4 +74,6 @@ class SweepProgress(Callback):
         elapsed_s = time.perf_counter() - self.started
         print(f"\n{len(table)} points in {elapsed_s:.0f} s, {len(failed)} not ok -> {self.sweep_dir}")
         for _, row in failed.iterrows():
-            print(f"  {row['status']}: {row['cache']} batch={row['batch_size']} prompt={row['prompt_len']}: {row['error']}")
+            print(
+                f"  {row['status']}: {row['cache']} batch={row['batch_size']} prompt={row['prompt_len']}: {row['error']}"
+            )

@@ -35,16 +35,26 @@ def run_point(cfg: RunConfig) -> dict:
     probe.baseline()  # before the model loads
     with probe:
         model = build_model(
-            args, weights=cfg.weights, dtype=DTYPES[cfg.dtype], device=device, seed=cfg.seed,
+            args,
+            weights=cfg.weights,
+            dtype=DTYPES[cfg.dtype],
+            device=device,
+            seed=cfg.seed,
             n_positions=cfg.prompt_len + cfg.gen_len,
         )
         spec = CacheSpec(
-            n_layers=args.n_layers, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
-            batch_size=cfg.batch_size, max_tokens=cfg.prompt_len + cfg.gen_len, kv_dtype=kv_dtype, device=device,
+            n_layers=args.n_layers,
+            n_kv_heads=args.n_kv_heads,
+            head_dim=args.head_dim,
+            batch_size=cfg.batch_size,
+            max_tokens=cfg.prompt_len + cfg.gen_len,
+            kv_dtype=kv_dtype,
+            device=device,
         )
         cache = kv.build(cfg.cache["name"], spec, cfg.cache_options)
         prompt = torch.randint(
-            args.vocab_size, (cfg.batch_size, cfg.prompt_len),
+            args.vocab_size,
+            (cfg.batch_size, cfg.prompt_len),
             generator=torch.Generator().manual_seed(cfg.seed),
         ).to(device)
         timer = StepTimer(device, n_marks=cfg.gen_len)
@@ -60,8 +70,11 @@ def run_point(cfg: RunConfig) -> dict:
             return sample
 
         policy = RepeatPolicy(
-            warmup=cfg.warmup, min_repeats=cfg.min_repeats, max_repeats=cfg.max_repeats,
-            max_time_s=cfg.max_time_s, target_rse=cfg.target_rse,
+            warmup=cfg.warmup,
+            min_repeats=cfg.min_repeats,
+            max_repeats=cfg.max_repeats,
+            max_time_s=cfg.max_time_s,
+            target_rse=cfg.target_rse,
         )
         samples = measure(run_once, policy)
 
@@ -86,7 +99,6 @@ def digest(token_ids: torch.Tensor) -> str:
 def config_columns(cfg: RunConfig) -> dict:
     """The identity and config columns, known before anything runs (a failed point records these too)."""
     args = cfg.model_args()
-    paged = cfg.cache["name"] == "paged"
     options = kv.parse_options(cfg.cache["name"], cfg.cache_options)
     return {
         "point_id": cfg.point_id(),
@@ -99,8 +111,9 @@ def config_columns(cfg: RunConfig) -> dict:
         "dtype": cfg.dtype,
         "kv_dtype": cfg.kv_dtype_name,
         "cache": cfg.cache["name"],
-        "block_size": options.block_size if paged else None,
-        "pool_tokens": options.pool_tokens if paged else None,
+        # Strategy options that are columns of their own; null for strategies without them.
+        "block_size": getattr(options, "block_size", None),
+        "pool_tokens": getattr(options, "pool_tokens", None),
         "batch_size": cfg.batch_size,
         "prompt_len": cfg.prompt_len,
         "gen_len": cfg.gen_len,
@@ -129,7 +142,9 @@ def git_sha() -> str | None:
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    if out.returncode != 0:  # not a git checkout (an installed copy, a tarball)
+        return None
+    return out.stdout.strip() or None
 
 
 def device_name(device: torch.device) -> str:

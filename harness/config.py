@@ -9,7 +9,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch
 
@@ -35,7 +35,7 @@ class ModelConfig:
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     # The strategy's name plus its own options (see harness/kv/<name>.py: Options), e.g. {name: paged, block_size: 16}
-    cache: Dict[str, Any] = field(default_factory=lambda: {"name": "contiguous"})
+    cache: dict[str, Any] = field(default_factory=lambda: {"name": "contiguous"})
     weights: str = "dummy"  # "dummy": seeded random at the preset's shapes; or a local HF checkpoint directory
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str = "bf16"  # compute dtype of weights and activations
@@ -48,7 +48,7 @@ class RunConfig:
     max_repeats: int = 20
     max_time_s: float = 60.0  # wall budget for the measured repeats of one point
     target_rse: float = 0.02  # stop repeating once the median TPOT's relative standard error is below this
-    max_memory_gb: Optional[float] = None  # cap on the measuring process: RLIMIT on CPU, memory fraction on CUDA
+    max_memory_gb: float | None = None  # cap on the measuring process: RLIMIT on CPU, memory fraction on CUDA
     results_dir: str = "results"
     seed: int = 0
     isolate: bool = True  # measure each point in its own spawned process; false only for debugging

@@ -67,8 +67,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("n_heads", "int64", "", "Query heads per layer"),
     Column("n_kv_heads", "int64", "", "Key/value heads per layer (fewer than n_heads under GQA/MQA)"),
     Column("head_dim", "int64", "", "Channels per attention head"),
-    Column("dtype", "string", "", "Compute dtype of weights and activations, e.g. bfloat16"),
-    Column("kv_dtype", "string", "", "Storage dtype of the KV cache"),
+    Column("dtype", "string", "", "Compute dtype of weights and activations: fp32, fp16 or bf16"),
+    Column("kv_dtype", "string", "", "Storage dtype of the KV cache (kv_dtype=auto resolved to dtype)"),
     Column("cache", "string", "", "KV-cache strategy name"),
     Column("block_size", "int64", "tokens", "Tokens per KV block; null unless the cache is paged"),
     Column("pool_tokens", "int64", "tokens", "Token capacity of the KV block pool; null unless the cache is paged"),
@@ -78,7 +78,12 @@ COLUMNS: tuple[Column, ...] = (
     Column("device", "string", "", "cpu or cuda"),
     Column("weights", "string", "", "dummy (random weights) or the checkpoint path"),
     Column("seed", "int64", "", "Random seed of the weights and prompt tokens"),
-    Column("max_memory_gb", "float64", "GB", "Memory cap given to the run; null when unset"),
+    Column(
+        "max_memory_gb",
+        "float64",
+        "GiB",
+        "Cap on the measuring process (RLIMIT_DATA on CPU, allocator fraction on CUDA); null when unset",
+    ),
     # Latency
     Column("ttft_ms", "float64", "ms", "Time to first token (prefill plus the first token), median over repeats"),
     Column("ttft_p90_ms", "float64", "ms", "90th percentile of TTFT over repeats"),
@@ -98,7 +103,12 @@ COLUMNS: tuple[Column, ...] = (
     Column("itl_p99_ms", "float64", "ms", "99th percentile inter-token latency over all decode steps of all repeats"),
     Column("decode_tok_s", "float64", "tok/s", "Decode throughput: batch_size × (gen_len − 1) / decode time"),
     Column("prefill_tok_s", "float64", "tok/s", "Prefill throughput: batch_size × prompt_len / TTFT"),
-    Column("e2e_ms", "float64", "ms", "End-to-end time of one generation (prefill and every decode step)"),
+    Column(
+        "e2e_ms",
+        "float64",
+        "ms",
+        "End-to-end time of one generation (prefill and every decode step), median over repeats",
+    ),
     Column("repeats", "int64", "", "Measured repeats, warm-up excluded"),
     # Memory
     Column("weights_bytes", "int64", "bytes", "Model parameters, at their stored dtype"),
@@ -114,9 +124,15 @@ COLUMNS: tuple[Column, ...] = (
         "peak_mem_bytes",
         "int64",
         "bytes",
-        "Peak memory of the run: on CPU the peak RSS of the measuring process, on CUDA the NVML process-used peak",
+        "Peak memory of the point: CPU, peak RSS of its measuring process; CUDA, NVML process-used peak "
+        "(the allocator's reserved peak where NVML cannot see processes)",
     ),
-    Column("mem_baseline_bytes", "int64", "bytes", "The peak_mem_bytes measure taken before the model loads"),
+    Column(
+        "mem_baseline_bytes",
+        "int64",
+        "bytes",
+        "Memory in use before the model loads: RSS on CPU, NVML device-used on CUDA",
+    ),
     Column("torch_peak_allocated_bytes", "int64", "bytes", "torch.cuda.max_memory_allocated (tensors); null on CPU"),
     Column(
         "torch_peak_reserved_bytes", "int64", "bytes", "torch.cuda.max_memory_reserved (caching allocator); null on CPU"

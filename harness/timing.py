@@ -43,7 +43,7 @@ class StepTimer:
         if self.cuda:
             self.events[self.n - 1].synchronize()
             return [self.events[i].elapsed_time(self.events[i + 1]) for i in range(self.n - 1)]
-        return [(b - a) * 1e3 for a, b in zip(self.stamps, self.stamps[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
 
 
 @dataclass(frozen=True)

@@ -24,4 +24,6 @@ def tiny_args() -> ModelArgs:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_args):
-    return build_model(tiny_args, weights="dummy", dtype=torch.float32, device=torch.device("cpu"), seed=0, n_positions=512)
+    return build_model(
+        tiny_args, weights="dummy", dtype=torch.float32, device=torch.device("cpu"), seed=0, n_positions=512
+    )

@@ -9,8 +9,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+import experiments.decode  # noqa: F401  (registers the run_config schema that conf/config.yaml extends)
 from harness.config import ConfigError, RunConfig, check_storable
-from experiments.decode import ConfigStore  # noqa: F401  registers the run_config schema
 
 CONF = Path(__file__).parents[1] / "conf"
 
@@ -57,7 +57,12 @@ def test_non_positive_memory_cap_is_rejected():
 
 
 def test_context_longer_than_the_model_supports_is_rejected():
-    bad(r"^prompt_len \+ gen_len: 8200 exceeds tiny's 8192 positions", model={"name": "tiny"}, prompt_len=8100, gen_len=100)
+    bad(
+        r"^prompt_len \+ gen_len: 8200 exceeds tiny's 8192 positions",
+        model={"name": "tiny"},
+        prompt_len=8100,
+        gen_len=100,
+    )
 
 
 def test_bad_cache_option_names_it():

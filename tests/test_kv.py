@@ -18,12 +18,19 @@ CONF_CACHE = Path(__file__).parents[1] / "conf" / "cache"
 
 def spec_for(args, *, batch_size: int, max_tokens: int, kv_dtype=torch.float32) -> CacheSpec:
     return CacheSpec(
-        n_layers=args.n_layers, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim, batch_size=batch_size,
-        max_tokens=max_tokens, kv_dtype=kv_dtype, device=CPU,
+        n_layers=args.n_layers,
+        n_kv_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        batch_size=batch_size,
+        max_tokens=max_tokens,
+        kv_dtype=kv_dtype,
+        device=CPU,
     )
 
 
-def greedy(model, args, name: str, *, batch_size: int, prompt_len: int, gen_len: int, options=None, kv_dtype=torch.float32):
+def greedy(
+    model, args, name: str, *, batch_size: int, prompt_len: int, gen_len: int, options=None, kv_dtype=torch.float32
+):
     spec = spec_for(args, batch_size=batch_size, max_tokens=prompt_len + gen_len, kv_dtype=kv_dtype)
     cache = kv.build(name, spec, options or {})
     prompt = torch.randint(args.vocab_size, (batch_size, prompt_len), generator=torch.Generator().manual_seed(1))
@@ -35,7 +42,9 @@ def greedy(model, args, name: str, *, batch_size: int, prompt_len: int, gen_len:
     ("batch_size", "prompt_len", "gen_len"),
     [(1, 5, 12), (3, 16, 9), (2, 23, 20), (4, 1, 17)],  # 23 + 20 and 1 + 17: not multiples of the block size
 )
-def test_every_strategy_generates_the_same_greedy_tokens_in_fp32(tiny_model, tiny_args, batch_size, prompt_len, gen_len):
+def test_every_strategy_generates_the_same_greedy_tokens_in_fp32(
+    tiny_model, tiny_args, batch_size, prompt_len, gen_len
+):
     outputs = {
         name: greedy(tiny_model, tiny_args, name, batch_size=batch_size, prompt_len=prompt_len, gen_len=gen_len)[0]
         for name in ("none", "contiguous", "paged")
@@ -47,7 +56,9 @@ def test_every_strategy_generates_the_same_greedy_tokens_in_fp32(tiny_model, tin
 
 def test_paged_with_small_blocks_matches_contiguous(tiny_model, tiny_args):
     contiguous, *_ = greedy(tiny_model, tiny_args, "contiguous", batch_size=2, prompt_len=7, gen_len=10)
-    paged, *_ = greedy(tiny_model, tiny_args, "paged", batch_size=2, prompt_len=7, gen_len=10, options={"block_size": 3})
+    paged, *_ = greedy(
+        tiny_model, tiny_args, "paged", batch_size=2, prompt_len=7, gen_len=10, options={"block_size": 3}
+    )
     assert torch.equal(contiguous, paged)
 
 

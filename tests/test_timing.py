@@ -53,7 +53,10 @@ def test_median_rse():
 
 
 def test_summary_excludes_the_first_token_from_tpot_and_counts_throughput_per_sequence():
-    samples = [Sample(ttft_ms=100.0, step_ms=[10.0, 10.0, 10.0, 10.0]), Sample(ttft_ms=120.0, step_ms=[10.0, 12.0, 14.0, 12.0])]
+    samples = [
+        Sample(ttft_ms=100.0, step_ms=[10.0, 10.0, 10.0, 10.0]),
+        Sample(ttft_ms=120.0, step_ms=[10.0, 12.0, 14.0, 12.0]),
+    ]
     row = summarize(samples, batch_size=8, prompt_len=64)
     assert row["tpot_ms"] == pytest.approx((10.0 + 12.0) / 2)
     assert row["ttft_ms"] == pytest.approx(110.0)

@@ -63,7 +63,10 @@ class PagedCache:
                 blocks.append(self.free_blocks.pop())
                 grown = True
         if grown:  # one small host-to-device copy every block_size steps, not every step
-            self.table[:, :need] = torch.tensor([b[:need] for b in self.tables], dtype=torch.long)
+            rows = torch.tensor([b[:need] for b in self.tables], dtype=torch.long)
+            if self.table.is_cuda:  # pinned + non_blocking: the copy queues on the stream, the host never waits
+                rows = rows.pin_memory()
+            self.table[:, :need].copy_(rows, non_blocking=True)
         self.n_tokens = start_pos + n_new
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:

@@ -1,0 +1,143 @@
+"""End to end through Hydra, as a user runs it: sweeps, isolation, forced OOM, and bad input on the command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import results
+
+ROOT = Path(__file__).parents[1]
+TINY = ["model=tiny", "gen_len=6", "warmup=0", "min_repeats=2", "max_repeats=2"]
+
+pytestmark = pytest.mark.slow
+
+
+def kvbench(*overrides: str, multirun: bool = False) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "experiments.decode", *(["-m"] if multirun else []), *overrides]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_fp32_multirun_gives_identical_output_digests_across_strategies(tmp_path):
+    proc = kvbench(
+        *TINY,
+        "dtype=fp32",
+        "batch_size=1,3",
+        "prompt_len=19",
+        "cache=none,contiguous,paged",
+        f"results_dir={tmp_path}",
+        multirun=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    table = results.load(tmp_path)
+    assert len(table) == 6 and (table["status"] == "ok").all()
+    assert table["sweep_id"].nunique() == 1
+    for _, group in table.groupby("batch_size"):
+        assert group["output_digest"].nunique() == 1, group[["cache", "output_digest"]]
+    assert "6 points" in proc.stdout and "0 not ok" in proc.stdout
+
+
+def test_contiguous_allocation_equals_the_prediction_and_paged_live_follows_the_formula(tmp_path):
+    proc = kvbench(
+        *TINY,
+        "dtype=fp32",
+        "batch_size=2",
+        "prompt_len=21",
+        "cache=contiguous,paged",
+        f"results_dir={tmp_path}",
+        multirun=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    table = results.load(tmp_path).set_index("cache")
+    contiguous, paged = table.loc["contiguous"], table.loc["paged"]
+    assert contiguous["kv_bytes_allocated"] == contiguous["kv_bytes_predicted"]
+    per_token = contiguous["kv_bytes_predicted"] / (2 * (21 + 6))  # batch x (prompt + gen) tokens
+    assert paged["kv_bytes_live"] == 2 * (21 + 6 - 1) * per_token
+    assert paged["block_size"] == 16 and pd_isnull(contiguous["block_size"])
+
+
+def pd_isnull(value) -> bool:
+    import pandas as pd
+
+    return bool(pd.isna(value))
+
+
+def test_a_forced_oom_is_a_row_and_the_sweep_finishes(tmp_path):
+    # A 1 GiB cap: batch 1 fits; batch 4096 needs ~2.2 GB of KV alone and runs out of memory in its own process.
+    proc = kvbench(
+        *TINY,
+        "prompt_len=1024",
+        "batch_size=4096,1",
+        "cache=contiguous",
+        "max_memory_gb=1.0",
+        f"results_dir={tmp_path}",
+        multirun=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    table = results.load(tmp_path).set_index("batch_size")
+    assert table.loc[4096, "status"] == "oom"
+    assert "allocate" in table.loc[4096, "error"]
+    assert table.loc[1, "status"] == "ok"
+    assert "1 not ok" in proc.stdout
+
+
+def test_an_exhausted_paged_pool_is_an_oom_row(tmp_path):
+    proc = kvbench(
+        *TINY, "prompt_len=40", "batch_size=2", "cache=paged", "cache.pool_tokens=32", f"results_dir={tmp_path}"
+    )
+    assert proc.returncode == 0, proc.stderr
+    (row,) = results.load(tmp_path).to_dict("records")
+    assert row["status"] == "oom" and "exhausted" in row["error"]
+
+
+def test_a_single_run_prints_its_summary(tmp_path):
+    proc = kvbench(*TINY, "prompt_len=8", "isolate=false", f"results_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    assert "tpot ms" in proc.stdout and "tiny" in proc.stdout
+    assert len(results.load(tmp_path)) == 1
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model=gpt-5", "Could not find 'model/gpt-5'"),  # Hydra's own check lists the available options
+        ("model.name=gpt-5", "model: unknown preset 'gpt-5'; allowed:"),
+        ("cache.name=lru", "cache: unknown strategy 'lru'; allowed:"),
+        ("dtype=fp64", "dtype: unknown value 'fp64'; allowed: fp32, fp16, bf16"),
+        ("batch_size=0", "batch_size: must be positive"),
+        ("prompt_len=8190", "prompt_len + gen_len: 8196 exceeds tiny's 8192 positions"),
+        ("weights=/does/not/exist", "weights: '/does/not/exist' is neither 'dummy' nor an existing directory"),
+    ],
+)
+def test_bad_input_fails_with_one_line_and_records_nothing(tmp_path, override, message):
+    proc = kvbench(*TINY, override, f"results_dir={tmp_path}")
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert not list(tmp_path.rglob("*.parquet"))
+
+
+def test_a_bad_point_in_a_sweep_stops_it_before_anything_is_measured(tmp_path):
+    proc = kvbench(*TINY, "batch_size=1,0", f"results_dir={tmp_path}", multirun=True)
+    assert proc.returncode == 2
+    assert "bad config in sweep point [" in proc.stderr and "batch_size: must be positive, got 0" in proc.stderr
+    assert not list(tmp_path.rglob("*.parquet"))
+
+
+def test_a_point_that_crashes_is_an_error_row_with_its_message(tmp_path):
+    # Passes the cheap up-front checks (a llama config.json, a .safetensors file) but cannot be loaded.
+    checkpoint = tmp_path / "broken-llama"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(
+        '{"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1, '
+        '"num_attention_heads": 4, "intermediate_size": 64, "max_position_embeddings": 128}'
+    )
+    (checkpoint / "model.safetensors").write_bytes(b"not a safetensors file")
+    out = tmp_path / "results"
+    proc = kvbench(*TINY, "prompt_len=8", f"weights={checkpoint}", f"results_dir={out}")
+    assert proc.returncode == 0, proc.stderr
+    (row,) = results.load(out).to_dict("records")
+    assert row["status"] == "error" and row["error"]
+    assert row["model"] == "broken-llama" and row["tpot_ms"] != row["tpot_ms"]  # NaN: nothing was measured
