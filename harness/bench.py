@@ -42,14 +42,8 @@ def run_point(cfg: RunConfig) -> dict:
             seed=cfg.seed,
             n_positions=cfg.prompt_len + cfg.gen_len,
         )
-        spec = CacheSpec(
-            n_layers=args.n_layers,
-            n_kv_heads=args.n_kv_heads,
-            head_dim=args.head_dim,
-            batch_size=cfg.batch_size,
-            max_tokens=cfg.prompt_len + cfg.gen_len,
-            kv_dtype=kv_dtype,
-            device=device,
+        spec = CacheSpec.for_model(
+            args, batch_size=cfg.batch_size, max_tokens=cfg.prompt_len + cfg.gen_len, kv_dtype=kv_dtype, device=device
         )
         cache = kv.build(cfg.cache["name"], spec, cfg.cache_options)
         prompt = torch.randint(

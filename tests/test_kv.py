@@ -17,15 +17,7 @@ CONF_CACHE = Path(__file__).parents[1] / "conf" / "cache"
 
 
 def spec_for(args, *, batch_size: int, max_tokens: int, kv_dtype=torch.float32) -> CacheSpec:
-    return CacheSpec(
-        n_layers=args.n_layers,
-        n_kv_heads=args.n_kv_heads,
-        head_dim=args.head_dim,
-        batch_size=batch_size,
-        max_tokens=max_tokens,
-        kv_dtype=kv_dtype,
-        device=CPU,
-    )
+    return CacheSpec.for_model(args, batch_size=batch_size, max_tokens=max_tokens, kv_dtype=kv_dtype, device=CPU)
 
 
 def greedy(

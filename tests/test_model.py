@@ -33,15 +33,7 @@ SMALL_HF = dict(
 
 
 def no_cache(args: ModelArgs, batch_size: int, max_tokens: int, dtype: torch.dtype = torch.float32) -> NoCache:
-    spec = CacheSpec(
-        n_layers=args.n_layers,
-        n_kv_heads=args.n_kv_heads,
-        head_dim=args.head_dim,
-        batch_size=batch_size,
-        max_tokens=max_tokens,
-        kv_dtype=dtype,
-        device=CPU,
-    )
+    spec = CacheSpec.for_model(args, batch_size=batch_size, max_tokens=max_tokens, kv_dtype=dtype, device=CPU)
     return NoCache(spec, Options())
 
 

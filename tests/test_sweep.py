@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from harness import results
@@ -56,13 +57,7 @@ def test_contiguous_allocation_equals_the_prediction_and_paged_live_follows_the_
     assert contiguous["kv_bytes_allocated"] == contiguous["kv_bytes_predicted"]
     per_token = contiguous["kv_bytes_predicted"] / (2 * (21 + 6))  # batch x (prompt + gen) tokens
     assert paged["kv_bytes_live"] == 2 * (21 + 6 - 1) * per_token
-    assert paged["block_size"] == 16 and pd_isnull(contiguous["block_size"])
-
-
-def pd_isnull(value) -> bool:
-    import pandas as pd
-
-    return bool(pd.isna(value))
+    assert paged["block_size"] == 16 and pd.isna(contiguous["block_size"])
 
 
 def test_a_forced_oom_is_a_row_and_the_sweep_finishes(tmp_path):

@@ -35,6 +35,21 @@ class CacheSpec:
     kv_dtype: torch.dtype  # storage dtype, independent of the model's compute dtype
     device: torch.device
 
+    @classmethod
+    def for_model(
+        cls, args, *, batch_size: int, max_tokens: int, kv_dtype: torch.dtype, device: torch.device
+    ) -> CacheSpec:
+        """From a harness.model.ModelArgs (any object with n_layers, n_kv_heads, head_dim)."""
+        return cls(
+            n_layers=args.n_layers,
+            n_kv_heads=args.n_kv_heads,
+            head_dim=args.head_dim,
+            batch_size=batch_size,
+            max_tokens=max_tokens,
+            kv_dtype=kv_dtype,
+            device=device,
+        )
+
     @property
     def bytes_per_token(self) -> int:
         """K and V of one token of one sequence across all layers, in bytes (the seed notes' formula per token)."""
