@@ -95,19 +95,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int)
     n_new, n_keys = q.shape[2], k.shape[2]
     assert n_keys == start_pos + n_new, f"cache holds {n_keys} keys, expected {start_pos + n_new}"
     k, v = k.to(q.dtype), v.to(q.dtype)
-    if k.shape[1] != q.shape[1]:
-        # [B, H_kv, S, D] -> [B, H, S, D]; a view-free repeat keeps SDPA on its fastest path on every backend.
-        group = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    if n_new == 1:  # one decode token sees every key: no mask
-        return F.scaled_dot_product_attention(q, k, v)
+    batch, n_heads, _, head_dim = q.shape
+    group = n_heads // k.shape[1]
+    if n_new == 1:
+        # One decode token sees every key: no mask. Fold each GQA group's query heads into the query-length axis,
+        # [B, H, 1, D] -> [B, H_kv, G, D], so every K/V head is read once for its whole group; never materialize
+        # repeated K/V (that would multiply the very bytes this benchmark measures by G).
+        out = F.scaled_dot_product_attention(q.reshape(batch, n_heads // group, group, head_dim), k, v)
+        return out.view(batch, n_heads, 1, head_dim)
+    gqa = group > 1
     if start_pos == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     # Queries start mid-sequence (chunked prefill, a cached prefix): query i sees keys 0..start_pos+i.
     q_pos = torch.arange(start_pos, n_keys, device=q.device)[:, None]
     k_pos = torch.arange(n_keys, device=q.device)[None, :]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=k_pos <= q_pos)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=k_pos <= q_pos, enable_gqa=gqa)
 
 
 def blocks_for(n_tokens: int, block_size: int) -> int:
