@@ -15,7 +15,7 @@ import torch
 from harness import kv
 from harness.config import DTYPES, RunConfig
 from harness.decode import generate
-from harness.kv.base import CacheSpec, dtype_bytes
+from harness.kv.base import CacheSpec
 from harness.model import build_model, weights_bytes
 from harness.probes import MemoryProbe
 from harness.results import SCHEMA_VERSION
@@ -28,12 +28,22 @@ def run_point(cfg: RunConfig) -> dict:
     """Build, warm up, measure; return the row (without sweep_id, which the caller knows)."""
     device = cfg.torch_device()
     args = cfg.model_args()
-    kv_dtype = DTYPES[cfg.kv_dtype_name]
     row = config_columns(cfg) | environment_columns(device)
 
+    spec = CacheSpec.for_model(
+        args,
+        batch_size=cfg.batch_size,
+        max_tokens=cfg.prompt_len + cfg.gen_len,
+        kv_dtype=cfg.kv_dtype_name,
+        device=device,
+        kv_group_size=cfg.kv_group_size,
+        kv_residual=cfg.kv_residual,
+    )
     probe = MemoryProbe(device)
     probe.baseline()  # before the model loads
     with probe:
+        # The cache first: a combination this device cannot run is `unsupported` before the model costs anything.
+        cache = kv.build(cfg.cache["name"], spec, cfg.cache_options)
         model = build_model(
             args,
             weights=cfg.weights,
@@ -42,10 +52,6 @@ def run_point(cfg: RunConfig) -> dict:
             seed=cfg.seed,
             n_positions=cfg.prompt_len + cfg.gen_len,
         )
-        spec = CacheSpec.for_model(
-            args, batch_size=cfg.batch_size, max_tokens=cfg.prompt_len + cfg.gen_len, kv_dtype=kv_dtype, device=device
-        )
-        cache = kv.build(cfg.cache["name"], spec, cfg.cache_options)
         prompt = torch.randint(
             args.vocab_size,
             (cfg.batch_size, cfg.prompt_len),
@@ -58,7 +64,11 @@ def run_point(cfg: RunConfig) -> dict:
         def run_once():
             generated, sample = generate(model, cache, prompt, cfg.gen_len, timer)
             # Read at the peak, just before the sequences complete and give their storage back.
-            kv_figures.update(kv_bytes_allocated=cache.kv_bytes_allocated(), kv_bytes_live=cache.kv_bytes_live())
+            kv_figures.update(
+                kv_bytes_allocated=cache.kv_bytes_allocated(),
+                kv_bytes_live=cache.kv_bytes_live(),
+                kv_scale_bytes=cache.kv_scale_bytes(),
+            )
             cache.release()
             outputs.append(generated)
             return sample
@@ -78,8 +88,7 @@ def run_point(cfg: RunConfig) -> dict:
     row["weights_bytes"] = weights_bytes(model)
     # The seed notes' formula, for the full length this point reserves: 2 x layers x tokens x kv_heads x head_dim
     # x bytes x batch. Contiguous storage must equal it exactly; the test suite holds it to that.
-    row["kv_bytes_predicted"] = spec.batch_size * spec.max_tokens * spec.bytes_per_token
-    assert spec.bytes_per_token == 2 * args.n_layers * args.n_kv_heads * args.head_dim * dtype_bytes(kv_dtype)
+    row["kv_bytes_predicted"] = int(spec.batch_size * spec.max_tokens * spec.bytes_per_token)
     row["output_digest"] = digest(outputs[-1])
     row["status"] = "ok"
     return row
@@ -108,6 +117,12 @@ def config_columns(cfg: RunConfig) -> dict:
         # Strategy options that are columns of their own; null for strategies without them.
         "block_size": getattr(options, "block_size", None),
         "pool_tokens": getattr(options, "pool_tokens", None),
+        "window": getattr(options, "window", None),
+        "sinks": getattr(options, "sinks", None),
+        "kv_group_size": cfg.kv_group_size if cfg.kv_dtype_name == "int4" else None,
+        "kv_residual": cfg.kv_residual if cfg.kv_dtype_name == "int4" else None,
+        "prefix_len": cfg.prefix_len,
+        "eval_text": cfg.eval_text,
         "batch_size": cfg.batch_size,
         "prompt_len": cfg.prompt_len,
         "gen_len": cfg.gen_len,

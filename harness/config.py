@@ -9,16 +9,20 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from harness import kv
+from harness.kv.quant import BITS
 from harness.model import ModelArgs, load_args
 
-# Compute and storage dtypes by name. kv_dtype "auto" stores K/V in the compute dtype, as vLLM's default does.
+# Compute dtypes by name, and KV storage formats: "auto" stores K/V in the compute dtype, as vLLM's default does;
+# the quantized formats are codecs (harness/kv/quant.py).
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-KV_DTYPES = {"auto": None, **DTYPES}
+KV_DTYPES = ("auto", *BITS)
+KV_GROUP_SIZES = (32, 64)
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -29,6 +33,8 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = "small"  # a preset of harness.model.PRESETS; a local checkpoint in `weights` overrides its shapes
+    # Resize the preset's KV heads: 1 = MQA, n_heads = MHA, between = GQA (dummy weights only). None: as the preset.
+    n_kv_heads: int | None = None
 
 
 @dataclass
@@ -39,15 +45,20 @@ class RunConfig:
     weights: str = "dummy"  # "dummy": seeded random at the preset's shapes; or a local HF checkpoint directory
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str = "bf16"  # compute dtype of weights and activations
-    kv_dtype: str = "auto"  # storage dtype of the KV cache; auto = dtype
+    kv_dtype: str = "auto"  # storage format of the KV cache: auto (= dtype), a float dtype, fp8_e4m3/e5m2, int8, int4
+    kv_group_size: int = 32  # int4: values per quantization group (32 or 64)
+    kv_residual: int = 0  # int4: the most recent tokens kept in full precision (KIVI's residual window)
     batch_size: int = 1  # concurrent sequences
     prompt_len: int = 128  # tokens per prompt (random ids, seeded)
     gen_len: int = 32  # tokens generated per sequence, greedy, no EOS
+    prefix_len: int = 0  # leading prompt tokens shared by every sequence of the batch (a system prompt)
     warmup: int = 1  # whole generations run before measuring, excluded from every figure
     min_repeats: int = 3
     max_repeats: int = 20
     max_time_s: float = 60.0  # wall budget for the measured repeats of one point
     target_rse: float = 0.02  # stop repeating once the median TPOT's relative standard error is below this
+    accuracy: bool = True  # lossy points (quantized KV, sliding past its window): teacher-forced error vs exact
+    eval_text: str | None = None  # a local text file: perplexity with and without the lossy cache (real weights)
     max_memory_gb: float | None = None  # cap on the measuring process: RLIMIT on CPU, memory fraction on CUDA
     results_dir: str = "results"
     seed: int = 0
@@ -81,10 +92,30 @@ class RunConfig:
             raise ConfigError(f"target_rse: must be in (0, 1), got {self.target_rse}")
         if self.max_memory_gb is not None and self.max_memory_gb <= 0:
             raise ConfigError(f"max_memory_gb: must be positive or null, got {self.max_memory_gb}")
+        if self.kv_group_size not in KV_GROUP_SIZES:
+            raise ConfigError(
+                f"kv_group_size: must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {self.kv_group_size}"
+            )
+        if self.kv_residual < 0:
+            raise ConfigError(f"kv_residual: must be 0 or more tokens, got {self.kv_residual}")
+        if not 0 <= self.prefix_len < self.prompt_len:
+            raise ConfigError(
+                f"prefix_len: must be in 0..prompt_len-1 (each sequence keeps a suffix of its own), got {self.prefix_len} "
+                f"with prompt_len={self.prompt_len}"
+            )
+        if self.eval_text is not None and not Path(self.eval_text).is_file():
+            raise ConfigError(f"eval_text: {self.eval_text!r} is not a file; allowed: a local text file, or null")
+        if self.eval_text is not None and self.weights == "dummy":
+            raise ConfigError("eval_text: perplexity needs a real checkpoint; allowed: weights=<checkpoint dir>")
         if "name" not in self.cache:
             raise ConfigError(f"cache.name: missing; allowed: {', '.join(kv.strategy_names())}")
         kv.parse_options(self.cache["name"], self.cache_options)
         args = self.model_args()
+        if self.kv_dtype_name == "int4" and args.head_dim % self.kv_group_size:
+            raise ConfigError(
+                f"kv_group_size: {args.name}'s head_dim {args.head_dim} is not a multiple of {self.kv_group_size}; "
+                f"allowed: a group size dividing {args.head_dim}"
+            )
         if self.prompt_len + self.gen_len > args.max_seq_len:
             raise ConfigError(
                 f"prompt_len + gen_len: {self.prompt_len + self.gen_len} exceeds {args.name}'s "
@@ -112,7 +143,21 @@ class RunConfig:
         return torch.device(self.device)
 
     def model_args(self) -> ModelArgs:
-        return load_args(self.weights, self.model.name)
+        args = load_args(self.weights, self.model.name)
+        if self.model.n_kv_heads is None or self.model.n_kv_heads == args.n_kv_heads:
+            return args
+        if self.weights != "dummy":
+            raise ConfigError(
+                "model.n_kv_heads: a checkpoint's heads cannot be resized; allowed: null with weights=<dir>"
+            )
+        if self.model.n_kv_heads <= 0 or args.n_heads % self.model.n_kv_heads:
+            divisors = [str(d) for d in range(1, args.n_heads + 1) if args.n_heads % d == 0]
+            raise ConfigError(
+                f"model.n_kv_heads: must divide {args.name}'s {args.n_heads} query heads, got "
+                f"{self.model.n_kv_heads}; allowed: {', '.join(divisors)}"
+            )
+        # Same preset, other KV heads: the dummy weights follow the shapes (the n_kv_heads and n_params columns say so).
+        return dataclasses.replace(args, n_kv_heads=self.model.n_kv_heads)
 
     def point_id(self) -> str:
         """A stable hash of what is measured: resolved device and dtypes included, output location excluded."""

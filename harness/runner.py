@@ -17,6 +17,7 @@ import torch
 
 from harness import bench
 from harness.config import RunConfig
+from harness.kv.base import Unsupported
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ def _child_main(cfg: RunConfig, sender) -> None:
 def _guarded(cfg: RunConfig) -> dict:
     try:
         return bench.run_point(cfg)
+    except Unsupported as exc:
+        return failure_row(cfg, "unsupported", str(exc))
     except Exception as exc:
         status = "oom" if is_oom(exc) else "error"
         if status == "error":

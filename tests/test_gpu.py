@@ -26,7 +26,7 @@ def test_every_strategy_generates_the_same_tokens_on_cuda_in_fp32(tiny_args):
     prompt = torch.randint(tiny_args.vocab_size, (3, 23), generator=torch.Generator().manual_seed(0)).to(CUDA)
     outputs = []
     for name in ("none", "contiguous", "paged"):
-        spec = CacheSpec.for_model(tiny_args, batch_size=3, max_tokens=23 + 17, kv_dtype=torch.float32, device=CUDA)
+        spec = CacheSpec.for_model(tiny_args, batch_size=3, max_tokens=23 + 17, kv_dtype="fp32", device=CUDA)
         tokens, sample = generate(model, kv.build(name, spec, {}), prompt, 17, StepTimer(CUDA, n_marks=17))
         assert len(sample.step_ms) == 16 and all(ms > 0 for ms in sample.step_ms)
         outputs.append(tokens.cpu())

@@ -16,13 +16,11 @@ CPU = torch.device("cpu")
 CONF_CACHE = Path(__file__).parents[1] / "conf" / "cache"
 
 
-def spec_for(args, *, batch_size: int, max_tokens: int, kv_dtype=torch.float32) -> CacheSpec:
+def spec_for(args, *, batch_size: int, max_tokens: int, kv_dtype="fp32") -> CacheSpec:
     return CacheSpec.for_model(args, batch_size=batch_size, max_tokens=max_tokens, kv_dtype=kv_dtype, device=CPU)
 
 
-def greedy(
-    model, args, name: str, *, batch_size: int, prompt_len: int, gen_len: int, options=None, kv_dtype=torch.float32
-):
+def greedy(model, args, name: str, *, batch_size: int, prompt_len: int, gen_len: int, options=None, kv_dtype="fp32"):
     spec = spec_for(args, batch_size=batch_size, max_tokens=prompt_len + gen_len, kv_dtype=kv_dtype)
     cache = kv.build(name, spec, options or {})
     prompt = torch.randint(args.vocab_size, (batch_size, prompt_len), generator=torch.Generator().manual_seed(1))
@@ -81,9 +79,7 @@ def test_live_bytes_follow_the_tokens_present_for_both_caches(tiny_model, tiny_a
 
 def test_storage_dtype_is_independent_of_compute_dtype(tiny_model, tiny_args):
     fp32, fp32_cache, _ = greedy(tiny_model, tiny_args, "contiguous", batch_size=2, prompt_len=8, gen_len=5)
-    bf16, bf16_cache, _ = greedy(
-        tiny_model, tiny_args, "paged", batch_size=2, prompt_len=8, gen_len=5, kv_dtype=torch.bfloat16
-    )
+    bf16, bf16_cache, _ = greedy(tiny_model, tiny_args, "paged", batch_size=2, prompt_len=8, gen_len=5, kv_dtype="bf16")
     assert bf16_cache.pool.dtype == torch.bfloat16
     assert bf16_cache.kv_bytes_live() * 2 == fp32_cache.kv_bytes_live()
     assert bf16.shape == fp32.shape

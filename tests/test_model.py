@@ -32,8 +32,8 @@ SMALL_HF = dict(
 )
 
 
-def no_cache(args: ModelArgs, batch_size: int, max_tokens: int, dtype: torch.dtype = torch.float32) -> NoCache:
-    spec = CacheSpec.for_model(args, batch_size=batch_size, max_tokens=max_tokens, kv_dtype=dtype, device=CPU)
+def no_cache(args: ModelArgs, batch_size: int, max_tokens: int, kv_dtype: str = "fp32") -> NoCache:
+    spec = CacheSpec.for_model(args, batch_size=batch_size, max_tokens=max_tokens, kv_dtype=kv_dtype, device=CPU)
     return NoCache(spec, Options())
 
 
@@ -43,7 +43,7 @@ def prompt(vocab_size: int, seed: int = 0) -> torch.Tensor:
 
 
 def logits_of(model: Transformer, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-    cache = no_cache(model.args, batch_size=tokens.shape[0], max_tokens=tokens.shape[1], dtype=torch.float32)
+    cache = no_cache(model.args, batch_size=tokens.shape[0], max_tokens=tokens.shape[1])
     with torch.inference_mode():
         return model(tokens, start_pos=0, cache=cache, last_only=last_only)
 
@@ -128,15 +128,7 @@ def test_decoding_one_token_at_a_time_with_a_cache_matches_one_full_forward() ->
     args = ModelArgs.from_name("tiny")
     model = build_model(args, dtype=torch.float32, device=CPU, seed=0, n_positions=PROMPT_LEN)
     tokens = prompt(vocab_size=args.vocab_size)
-    spec = CacheSpec(
-        n_layers=args.n_layers,
-        n_kv_heads=args.n_kv_heads,
-        head_dim=args.head_dim,
-        batch_size=BATCH_SIZE,
-        max_tokens=PROMPT_LEN,
-        kv_dtype=torch.float32,
-        device=CPU,
-    )
+    spec = CacheSpec.for_model(args, batch_size=BATCH_SIZE, max_tokens=PROMPT_LEN, kv_dtype="fp32", device=CPU)
     cache = ContiguousCache(spec, ContiguousOptions())
     prefill_len = PROMPT_LEN // 2
     with torch.inference_mode():
@@ -285,7 +277,7 @@ def test_tiny_dummy_model_gives_finite_logits_in_bf16() -> None:
     args = ModelArgs.from_name("tiny")
     model = build_model(args, dtype=torch.bfloat16, device=CPU, seed=0, n_positions=PROMPT_LEN)
     tokens = prompt(vocab_size=args.vocab_size)
-    cache = no_cache(args, batch_size=BATCH_SIZE, max_tokens=PROMPT_LEN, dtype=torch.bfloat16)
+    cache = no_cache(args, batch_size=BATCH_SIZE, max_tokens=PROMPT_LEN, kv_dtype="bf16")
     with torch.inference_mode():
         logits = model(tokens, start_pos=0, cache=cache)
     assert logits.dtype == torch.bfloat16

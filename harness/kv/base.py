@@ -22,6 +22,8 @@ from typing import ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
+from harness.kv.quant import BITS, PLAIN
+
 
 @dataclass(frozen=True)
 class CacheSpec:
@@ -32,13 +34,13 @@ class CacheSpec:
     head_dim: int
     batch_size: int
     max_tokens: int  # prompt_len + gen_len: the longest a sequence gets at this point
-    kv_dtype: torch.dtype  # storage dtype, independent of the model's compute dtype
+    kv_dtype: str  # storage format (harness.kv.quant.BITS), independent of the model's compute dtype
     device: torch.device
+    kv_group_size: int = 32  # int4: values per quantization group
+    kv_residual: int = 0  # int4: the most recent tokens kept in full precision (KIVI's residual)
 
     @classmethod
-    def for_model(
-        cls, args, *, batch_size: int, max_tokens: int, kv_dtype: torch.dtype, device: torch.device
-    ) -> CacheSpec:
+    def for_model(cls, args, *, batch_size: int, max_tokens: int, kv_dtype: str, device: torch.device, **quant):
         """From a harness.model.ModelArgs (any object with n_layers, n_kv_heads, head_dim)."""
         return cls(
             n_layers=args.n_layers,
@@ -48,12 +50,21 @@ class CacheSpec:
             max_tokens=max_tokens,
             kv_dtype=kv_dtype,
             device=device,
+            **quant,
         )
 
     @property
-    def bytes_per_token(self) -> int:
-        """K and V of one token of one sequence across all layers, in bytes (the seed notes' formula per token)."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes(self.kv_dtype)
+    def bytes_per_token(self) -> float:
+        """K and V of one token of one sequence across all layers, in bytes, scales excluded (the seed notes'
+        formula per token: 2 x layers x kv_heads x head_dim x bytes)."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * BITS[self.kv_dtype] / 8
+
+    @property
+    def plain_dtype(self) -> torch.dtype:
+        """The torch dtype of a plain (unquantized) format; Unsupported for a quantized one."""
+        if self.kv_dtype not in PLAIN:
+            raise Unsupported(f"kv_dtype {self.kv_dtype} is not a plain dtype")
+        return PLAIN[self.kv_dtype]
 
 
 class KVCache(Protocol):
@@ -74,16 +85,21 @@ class KVCache(Protocol):
         ...
 
     def kv_bytes_live(self) -> int:
-        """Bytes the tokens present actually need, at the storage dtype."""
+        """Bytes the tokens present actually need at the storage format's bits, scales excluded."""
         ...
+
+    def kv_scale_bytes(self) -> int:
+        """Of kv_bytes_allocated, the bytes that hold quantization scales (0 for plain dtypes)."""
+        ...
+
+
+class Unsupported(Exception):
+    """This combination cannot run here (a strategy on the wrong device, a format it cannot store): the point
+    becomes a `status=unsupported` row with this reason, not an error."""
 
 
 class KVPoolExhausted(MemoryError):
     """A sequence needed a block and the pool had none: out of KV memory, reported like any OOM."""
-
-
-def dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:

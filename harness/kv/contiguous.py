@@ -26,7 +26,7 @@ class ContiguousCache:
     def __init__(self, spec: CacheSpec, options: Options) -> None:
         self.spec = spec
         shape = (spec.n_layers, 2, spec.batch_size, spec.n_kv_heads, spec.max_tokens, spec.head_dim)
-        self.buffers = torch.zeros(shape, dtype=spec.kv_dtype, device=spec.device)  # [L, K|V, B, H_kv, S_max, D]
+        self.buffers = torch.zeros(shape, dtype=spec.plain_dtype, device=spec.device)  # [L, K|V, B, H_kv, S_max, D]
         self.n_tokens = 0
 
     def prepare(self, start_pos: int, n_new: int) -> None:
@@ -49,7 +49,10 @@ class ContiguousCache:
         return self.buffers.numel() * self.buffers.element_size()
 
     def kv_bytes_live(self) -> int:
-        return self.n_tokens * self.spec.batch_size * self.spec.bytes_per_token
+        return int(self.n_tokens * self.spec.batch_size * self.spec.bytes_per_token)
+
+    def kv_scale_bytes(self) -> int:
+        return 0  # plain dtypes only, for now
 
 
 STRATEGY = ContiguousCache

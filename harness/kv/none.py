@@ -41,5 +41,8 @@ class NoCache:
     def kv_bytes_live(self) -> int:
         return 0
 
+    def kv_scale_bytes(self) -> int:
+        return 0
+
 
 STRATEGY = NoCache

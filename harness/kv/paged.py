@@ -43,7 +43,7 @@ class PagedCache:
         else:
             n_blocks = blocks_for(options.pool_tokens, self.block_size)
         shape = (spec.n_layers, 2, n_blocks, spec.n_kv_heads, self.block_size, spec.head_dim)
-        self.pool = torch.zeros(shape, dtype=spec.kv_dtype, device=spec.device)  # [L, K|V, N, H_kv, bs, D]
+        self.pool = torch.zeros(shape, dtype=spec.plain_dtype, device=spec.device)  # [L, K|V, N, H_kv, bs, D]
         self.free_blocks = list(range(n_blocks - 1, -1, -1))  # a stack: pop() hands out block 0 first
         self.tables: list[list[int]] = [[] for _ in range(spec.batch_size)]  # per sequence: block ids in order
         # The same tables on the device, for gathers: [B, blocks_per_seq]; refreshed only when a block is added.
@@ -105,7 +105,10 @@ class PagedCache:
         return self.pool.numel() * self.pool.element_size()
 
     def kv_bytes_live(self) -> int:
-        return self.n_tokens * self.spec.batch_size * self.spec.bytes_per_token
+        return int(self.n_tokens * self.spec.batch_size * self.spec.bytes_per_token)
+
+    def kv_scale_bytes(self) -> int:
+        return 0  # plain dtypes only, for now
 
 
 STRATEGY = PagedCache
