@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import logging
 import platform
 import socket
+import statistics
 import subprocess
 from pathlib import Path
 
 import torch
 
-from harness import kv
+from harness import accuracy, kv
 from harness.config import DTYPES, RunConfig
 from harness.decode import generate
 from harness.kv.base import CacheSpec
@@ -38,6 +40,7 @@ def run_point(cfg: RunConfig) -> dict:
         device=device,
         kv_group_size=cfg.kv_group_size,
         kv_residual=cfg.kv_residual,
+        prefix_len=cfg.prefix_len,
     )
     probe = MemoryProbe(device)
     probe.baseline()  # before the model loads
@@ -52,11 +55,7 @@ def run_point(cfg: RunConfig) -> dict:
             seed=cfg.seed,
             n_positions=cfg.prompt_len + cfg.gen_len,
         )
-        prompt = torch.randint(
-            args.vocab_size,
-            (cfg.batch_size, cfg.prompt_len),
-            generator=torch.Generator().manual_seed(cfg.seed),
-        ).to(device)
+        prompt = make_prompts(cfg, vocab_size=args.vocab_size).to(device)
         timer = StepTimer(device, n_marks=cfg.gen_len)
         outputs: list[torch.Tensor] = []
         kv_figures: dict[str, int] = {}
@@ -69,6 +68,8 @@ def run_point(cfg: RunConfig) -> dict:
                 kv_bytes_live=cache.kv_bytes_live(),
                 kv_scale_bytes=cache.kv_scale_bytes(),
             )
+            if hasattr(cache, "kv_bytes_host"):  # offload: how much of it sits in host memory
+                kv_figures["kv_bytes_host"] = cache.kv_bytes_host()
             cache.release()
             outputs.append(generated)
             return sample
@@ -81,10 +82,16 @@ def run_point(cfg: RunConfig) -> dict:
             target_rse=cfg.target_rse,
         )
         samples = measure(run_once, policy)
+        hit = getattr(cache, "prefix_hit", None)  # prefix caching: the measured prefills found the prefix cached
+        if hit is not None:
+            row |= {"prefix_hit": hit, "kv_bytes_shared": cache.kv_bytes_shared()}
+            row["ttft_miss_ms"] = median_miss_ttft(cache, run_once, n=cfg.min_repeats)
 
     row |= summarize(samples, batch_size=cfg.batch_size, prompt_len=cfg.prompt_len)
     row |= kv_figures
-    row |= probe.columns()
+    row |= probe.columns()  # read before the accuracy pass, whose reference cache is not part of the point
+    if (cfg.accuracy and is_lossy(cfg)) or cfg.eval_text:
+        row |= accuracy_columns(cfg, model=model, cache=cache, spec=spec, prompt=prompt)
     row["weights_bytes"] = weights_bytes(model)
     # The seed notes' formula, for the full length this point reserves: 2 x layers x tokens x kv_heads x head_dim
     # x bytes x batch. Contiguous storage must equal it exactly; the test suite holds it to that.
@@ -92,6 +99,52 @@ def run_point(cfg: RunConfig) -> dict:
     row["output_digest"] = digest(outputs[-1])
     row["status"] = "ok"
     return row
+
+
+def make_prompts(cfg: RunConfig, *, vocab_size: int) -> torch.Tensor:
+    """[B, prompt_len] seeded random ids; the first prefix_len of them shared by every sequence (a system prompt)."""
+    generator = torch.Generator().manual_seed(cfg.seed)
+    prompts = torch.randint(vocab_size, (cfg.batch_size, cfg.prompt_len), generator=generator)
+    prompts[:, : cfg.prefix_len] = prompts[0, : cfg.prefix_len].clone()
+    return prompts
+
+
+def median_miss_ttft(cache, run_once, *, n: int) -> float:
+    """TTFT when the prefix is not cached yet: forget it before each of n generations (which then cache it again)."""
+    ttfts = []
+    for _ in range(n):
+        cache.forget_prefix()
+        ttfts.append(run_once().ttft_ms)
+    return statistics.median(ttfts)
+
+
+def is_lossy(cfg: RunConfig) -> bool:
+    """K/V stored narrower than they are computed, or dropped (a sliding window): accuracy is then measured."""
+    return cfg.kv_dtype_name != cfg.dtype or cfg.cache["name"] == "sliding"
+
+
+def accuracy_columns(cfg: RunConfig, *, model, cache, spec: CacheSpec, prompt) -> dict:
+    """Teacher-forced logits through this point's cache against the exact cache (contiguous at the compute dtype)."""
+    exact_spec = dataclasses.replace(spec, kv_dtype=cfg.dtype)
+    exact = kv.build("contiguous", exact_spec, {})
+    columns = {}
+    if cfg.accuracy and is_lossy(cfg):
+        # The exact cache's own greedy continuation is the forced history for both caches.
+        forced, _ = generate(model, exact, prompt, cfg.gen_len, StepTimer(spec.device, n_marks=cfg.gen_len))
+        exact.release()
+        columns |= accuracy.compare(
+            accuracy.teacher_forced_logits(model, exact, prompt, forced),
+            accuracy.teacher_forced_logits(model, cache, prompt, forced),
+        )
+    if cfg.eval_text:
+        windows = accuracy.text_windows(
+            cfg.eval_text, cfg.weights, batch_size=cfg.batch_size, length=cfg.prompt_len + cfg.gen_len
+        ).to(spec.device)
+        text_prompt, targets = windows[:, : cfg.prompt_len], windows[:, cfg.prompt_len :]
+        ppl = accuracy.perplexity(accuracy.teacher_forced_logits(model, cache, text_prompt, targets), targets)
+        ppl_exact = accuracy.perplexity(accuracy.teacher_forced_logits(model, exact, text_prompt, targets), targets)
+        columns |= {"ppl": ppl, "ppl_delta": ppl - ppl_exact}
+    return columns
 
 
 def digest(token_ids: torch.Tensor) -> str:

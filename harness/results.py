@@ -128,6 +128,12 @@ COLUMNS: tuple[Column, ...] = (
     Column("kv_bytes_live", "int64", "bytes", "KV storage the cached tokens actually need, at kv_dtype"),
     Column("kv_scale_bytes", "int64", "bytes", "Of kv_bytes_allocated, the quantization scales (0 for plain dtypes)"),
     Column(
+        "kv_bytes_host",
+        "int64",
+        "bytes",
+        "Offload: of kv_bytes_allocated, the part in pinned host memory; null otherwise",
+    ),
+    Column(
         "kv_bytes_shared",
         "int64",
         "bytes",

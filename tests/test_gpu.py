@@ -25,12 +25,12 @@ def test_every_strategy_generates_the_same_tokens_on_cuda_in_fp32(tiny_args):
     model = build_model(tiny_args, weights="dummy", dtype=torch.float32, device=CUDA, seed=0, n_positions=64)
     prompt = torch.randint(tiny_args.vocab_size, (3, 23), generator=torch.Generator().manual_seed(0)).to(CUDA)
     outputs = []
-    for name in ("none", "contiguous", "paged"):
+    for name in ("none", "contiguous", "paged", "offload"):
         spec = CacheSpec.for_model(tiny_args, batch_size=3, max_tokens=23 + 17, kv_dtype="fp32", device=CUDA)
         tokens, sample = generate(model, kv.build(name, spec, {}), prompt, 17, StepTimer(CUDA, n_marks=17))
         assert len(sample.step_ms) == 16 and all(ms > 0 for ms in sample.step_ms)
         outputs.append(tokens.cpu())
-    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+    assert all(torch.equal(outputs[0], other) for other in outputs[1:])
 
 
 def test_a_cuda_point_records_allocator_and_nvml_memory():
