@@ -27,3 +27,43 @@ def tiny_model(tiny_args):
     return build_model(
         tiny_args, weights="dummy", dtype=torch.float32, device=torch.device("cpu"), seed=0, n_positions=512
     )
+
+
+@pytest.fixture(scope="session")
+def llama_checkpoint(tmp_path_factory):
+    """A real Hugging Face checkpoint made here: transformers' own LlamaForCausalLM, trained for a few steps on a
+    repetitive text so its attention is not uniform, saved with save_pretrained, plus a word-level tokenizer.json."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    directory = tmp_path_factory.mktemp("llama-ckpt")
+    words = [f"w{i}" for i in range(120)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    text = " ".join(words[(i * 7) % 97 + (i % 3)] for i in range(4000))
+    (directory / "eval.txt").write_text(text)
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        head_dim=32,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.tensor(tokenizer.encode(text).ids)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(60):  # a few steps: enough for sharp, position-dependent attention
+        start = (step * 37) % (len(ids) - 65)
+        batch = ids[start : start + 64][None]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(directory)
+    return directory

@@ -31,12 +31,15 @@ def test_unknown_model_names_the_presets():
 
 
 def test_unknown_cache_names_the_strategies():
-    bad(r"^cache: unknown strategy 'lru'; allowed: contiguous, none, paged", cache={"name": "lru"})
+    bad(r"^cache: unknown strategy 'lru'; allowed: contiguous, none, .*paged", cache={"name": "lru"})
 
 
 def test_unknown_dtype_and_kv_dtype_name_the_allowed_values():
     bad(r"^dtype: unknown value 'fp64'; allowed: fp32, fp16, bf16$", dtype="fp64")
-    bad(r"^kv_dtype: unknown value 'int3'; allowed: auto, fp32, fp16, bf16", kv_dtype="int3")
+    bad(
+        r"^kv_dtype: unknown value 'int3'; allowed: auto, fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, int8, int4",
+        kv_dtype="int3",
+    )
 
 
 def test_unknown_device_is_rejected():
@@ -125,3 +128,56 @@ def test_gpu_experiments_compose_and_name_cuda():
             if "gpu" in name:
                 cfg = compose(config_name="config", overrides=[f"experiment={name}"])
                 assert cfg.device == "cuda"
+
+
+def test_int4_needs_a_group_size_dividing_head_dim():
+    bad(r"^kv_group_size: tiny's head_dim 16 is not a multiple of 32", model={"name": "tiny"}, kv_dtype="int4")
+    bad(r"^kv_group_size: must be one of 32, 64, got 16", kv_group_size=16)
+    RunConfig(model={"name": "small"}, kv_dtype="int4", kv_group_size=64)  # head_dim 64
+
+
+def test_prefix_must_leave_each_sequence_a_suffix():
+    bad(r"^prefix_len: must be in 0\.\.prompt_len-1 .*got 128 with prompt_len=128", prompt_len=128, prefix_len=128)
+
+
+def test_n_kv_heads_resizes_a_preset_into_mqa_gqa_or_mha():
+    for heads in (1, 4, 16):
+        args = RunConfig(model={"name": "small", "n_kv_heads": heads}).model_args()
+        assert args.n_kv_heads == heads and args.name == "small"
+    assert RunConfig(model={"name": "small", "n_kv_heads": 1}).model_args().n_params < RunConfig().model_args().n_params
+    bad(
+        r"^model\.n_kv_heads: must divide small's 16 query heads, got 3; allowed: 1, 2, 4, 8, 16",
+        model={"name": "small", "n_kv_heads": 3},
+    )
+
+
+def test_n_kv_heads_cannot_resize_a_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 64,
+                "hidden_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 64,
+                "max_position_embeddings": 128,
+            }
+        )
+    )
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    bad(
+        r"^model\.n_kv_heads: a checkpoint's heads cannot be resized",
+        weights=str(tmp_path),
+        model={"n_kv_heads": 1},
+        prompt_len=8,
+        gen_len=4,
+    )
+
+
+def test_eval_text_needs_a_file_and_real_weights(tmp_path):
+    bad(r"^eval_text: .* is not a file", eval_text=str(tmp_path / "missing.txt"))
+    text = tmp_path / "t.txt"
+    text.write_text("hello")
+    bad(r"^eval_text: perplexity needs a real checkpoint", eval_text=str(text))
