@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from harness import accuracy, kv
+from harness import accuracy, fragmentation, kv
 from harness.config import DTYPES, RunConfig
 from harness.decode import generate
 from harness.kv.base import CacheSpec
@@ -42,6 +42,8 @@ def run_point(cfg: RunConfig) -> dict:
         kv_residual=cfg.kv_residual,
         prefix_len=cfg.prefix_len,
     )
+    if cfg.lengths == "mixed":  # an allocation measurement: no model, no timing
+        return row | fragmentation.waste_columns(cfg, spec) | {"status": "ok"}
     probe = MemoryProbe(device)
     probe.baseline()  # before the model loads
     with probe:
@@ -89,6 +91,9 @@ def run_point(cfg: RunConfig) -> dict:
 
     row |= summarize(samples, batch_size=cfg.batch_size, prompt_len=cfg.prompt_len)
     row |= kv_figures
+    row["kv_waste_fraction"] = fragmentation.waste_fraction(
+        allocated=row["kv_bytes_allocated"], scales=row["kv_scale_bytes"], live=row["kv_bytes_live"]
+    )
     row |= probe.columns()  # read before the accuracy pass, whose reference cache is not part of the point
     if (cfg.accuracy and is_lossy(cfg)) or cfg.eval_text:
         row |= accuracy_columns(cfg, model=model, cache=cache, spec=spec, prompt=prompt)
@@ -175,6 +180,8 @@ def config_columns(cfg: RunConfig) -> dict:
         "kv_group_size": cfg.kv_group_size if cfg.kv_dtype_name == "int4" else None,
         "kv_residual": cfg.kv_residual if cfg.kv_dtype_name == "int4" else None,
         "prefix_len": cfg.prefix_len,
+        "lengths": cfg.lengths,
+        "min_len_frac": cfg.min_len_frac if cfg.lengths == "mixed" else None,
         "eval_text": cfg.eval_text,
         "batch_size": cfg.batch_size,
         "prompt_len": cfg.prompt_len,

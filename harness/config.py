@@ -24,6 +24,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 KV_DTYPES = ("auto", *BITS)
 KV_GROUP_SIZES = (32, 64)
 DEVICES = ("auto", "cpu", "cuda")
+LENGTHS = ("fixed", "mixed")
 
 
 class ConfigError(ValueError):
@@ -52,6 +53,10 @@ class RunConfig:
     prompt_len: int = 128  # tokens per prompt (random ids, seeded)
     gen_len: int = 32  # tokens generated per sequence, greedy, no EOS
     prefix_len: int = 0  # leading prompt tokens shared by every sequence of the batch (a system prompt)
+    # fixed: every sequence is prompt_len + gen_len. mixed: each request's lengths drawn uniformly from
+    # [min_len_frac, 1] of them, to measure allocation waste (harness/fragmentation.py; no timing).
+    lengths: str = "fixed"
+    min_len_frac: float = 0.1
     warmup: int = 1  # whole generations run before measuring, excluded from every figure
     min_repeats: int = 3
     max_repeats: int = 20
@@ -92,6 +97,9 @@ class RunConfig:
             raise ConfigError(f"target_rse: must be in (0, 1), got {self.target_rse}")
         if self.max_memory_gb is not None and self.max_memory_gb <= 0:
             raise ConfigError(f"max_memory_gb: must be positive or null, got {self.max_memory_gb}")
+        _check_choice("lengths", self.lengths, LENGTHS)
+        if not 0 < self.min_len_frac <= 1:
+            raise ConfigError(f"min_len_frac: must be in (0, 1], got {self.min_len_frac}")
         if self.kv_group_size not in KV_GROUP_SIZES:
             raise ConfigError(
                 f"kv_group_size: must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {self.kv_group_size}"

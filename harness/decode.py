@@ -14,7 +14,11 @@ from harness.timing import Sample, StepTimer
 
 def prefill(model: torch.nn.Module, cache: KVCache, prompt: torch.Tensor) -> torch.Tensor:
     """prompt [B, P] -> the first generated token [B]."""
-    logits = model(prompt, start_pos=0, cache=cache, last_only=True)  # [B, 1, V]
+    # Optional hook `prefill_prefix(model, prompt) -> int` (harness.kv.prefix): the cache fills the prefix every
+    # sequence shares (or finds it cached) and says how many leading tokens it holds; only the rest runs here.
+    prefill_prefix = getattr(cache, "prefill_prefix", None)
+    cached = prefill_prefix(model, prompt) if prefill_prefix is not None else 0
+    logits = model(prompt[:, cached:], start_pos=cached, cache=cache, last_only=True)  # [B, 1, V]
     return logits[:, -1].argmax(dim=-1)
 
 

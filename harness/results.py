@@ -80,6 +80,11 @@ COLUMNS: tuple[Column, ...] = (
     Column("prompt_len", "int64", "tokens", "Prompt tokens per sequence"),
     Column("gen_len", "int64", "tokens", "Tokens generated per sequence, the first one included"),
     Column("prefix_len", "int64", "tokens", "Leading prompt tokens shared by every sequence of the batch (0: none)"),
+    Column("lengths", "string", "", "fixed (every sequence prompt_len + gen_len) or mixed (allocation-waste points)"),
+    Column(
+        "min_len_frac", "float64", "", "mixed: request lengths drawn uniformly from [min_len_frac, 1] of the maximum"
+    ),
+    Column("mean_request_len", "float64", "tokens", "mixed: mean final length (prompt + generated) of the requests"),
     Column("device", "string", "", "cpu or cuda"),
     Column("weights", "string", "", "dummy (random weights) or the checkpoint path"),
     Column("seed", "int64", "", "Random seed of the weights and prompt tokens"),
@@ -138,6 +143,12 @@ COLUMNS: tuple[Column, ...] = (
         "int64",
         "bytes",
         "Prefix caching: KV bytes the shared prefix saves against every sequence holding its own copy",
+    ),
+    Column(
+        "kv_waste_fraction",
+        "float64",
+        "",
+        "Share of KV payload storage holding no token at the peak: (allocated - scales - live) / (allocated - scales)",
     ),
     Column(
         "kv_bytes_predicted",

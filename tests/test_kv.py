@@ -125,8 +125,17 @@ def test_released_blocks_are_reused_by_the_next_batch(tiny_model, tiny_args):
 
 def test_strategies_are_discovered_and_each_has_a_config_file():
     names = kv.strategy_names()
-    assert {"none", "contiguous", "paged"} <= set(names)
-    assert sorted(p.stem for p in CONF_CACHE.glob("*.yaml")) == names
+    assert {"none", "contiguous", "paged", "sliding", "prefix", "offload"} <= set(names)
+    assert set(names) <= {p.stem for p in CONF_CACHE.glob("*.yaml")}
+
+
+def test_every_cache_config_names_a_strategy():
+    for path in CONF_CACHE.glob("*.yaml"):
+        text = path.read_text()
+        named = [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("name:")]
+        included = [line.strip(" -") for line in text.splitlines() if line.startswith("  - ")]
+        assert named or included, path
+        assert all(name in kv.strategy_names() for name in named + included), path
 
 
 def test_unknown_strategy_and_unknown_option_name_the_field_and_allowed_values():

@@ -11,7 +11,8 @@ from typing import ClassVar
 
 import torch
 
-from harness.kv.base import CacheSpec, attention
+from harness.kv.base import CacheSpec, Unsupported, attention
+from harness.kv.quant import QUANTIZED
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class NoCache:
     recomputes_prefix: ClassVar[bool] = True
 
     def __init__(self, spec: CacheSpec, options: Options) -> None:
+        if spec.kv_dtype in QUANTIZED:
+            raise Unsupported(f"none keeps no K/V between steps, so there is nothing to store as {spec.kv_dtype}")
         self.spec = spec
 
     def prepare(self, start_pos: int, n_new: int) -> None:

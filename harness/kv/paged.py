@@ -7,6 +7,10 @@ not the total: the tokens present cost exactly what they cost in a contiguous bu
 
 Attention follows the block table. Here (CPU, and any device without a paged kernel) it gathers the sequence's
 blocks into a contiguous tensor first; a fused paged-attention kernel that reads blocks in place comes later.
+
+Quantized formats (harness.kv.quant) keep their narrow data in the pool and their scales in pools of their own,
+block for block, so a block returned to the pool frees its scales too. int4 key scales cover a group of
+kv_group_size tokens, so block_size must divide it or be a multiple of it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from typing import ClassVar
 
 import torch
 
-from harness.kv.base import CacheSpec, KVPoolExhausted, attention, blocks_for
+from harness.kv.base import CacheSpec, KVPoolExhausted, Unsupported, attention, blocks_for
+from harness.kv.quant import storage_format
 
 
 @dataclass(frozen=True)
@@ -42,54 +47,99 @@ class PagedCache:
             n_blocks = spec.batch_size * blocks_per_seq
         else:
             n_blocks = blocks_for(options.pool_tokens, self.block_size)
-        shape = (spec.n_layers, 2, n_blocks, spec.n_kv_heads, self.block_size, spec.head_dim)
-        self.pool = torch.zeros(shape, dtype=spec.plain_dtype, device=spec.device)  # [L, K|V, N, H_kv, bs, D]
+        self.format = storage_format(spec)
+        parts = self.format.parts()
+        data = parts.pop("data")
+        shape = (spec.n_layers, 2, n_blocks, spec.n_kv_heads, self.block_size, data.width)
+        # [L, K|V, N, H_kv, bs, D] (int4: D / 2 bytes, two values each)
+        self.pool = torch.zeros(shape, dtype=data.dtype, device=spec.device)
+        self.tokens_per_row = {"k": 1, "v": 1} | {name: part.tokens for name, part in parts.items()}
+        self.scales = {  # name -> [L, N, H_kv, rows per block, width]; empty for plain formats
+            name: torch.zeros(
+                (spec.n_layers, n_blocks, spec.n_kv_heads, self._rows_per_block(part.tokens), part.width),
+                dtype=part.dtype,
+                device=spec.device,
+            )
+            for name, part in parts.items()
+        }
+        self.rows = {"k": self.pool[:, 0], "v": self.pool[:, 1], **self.scales}  # views, by part name
         self.free_blocks = list(range(n_blocks - 1, -1, -1))  # a stack: pop() hands out block 0 first
         self.tables: list[list[int]] = [[] for _ in range(spec.batch_size)]  # per sequence: block ids in order
         # The same tables on the device, for gathers: [B, blocks_per_seq]; refreshed only when a block is added.
         self.table = torch.zeros((spec.batch_size, blocks_per_seq), dtype=torch.long, device=spec.device)
         self.n_tokens = 0  # tokens present per sequence (all sequences of a batch move in step)
 
+    def _rows_per_block(self, tokens_per_row: int) -> int:
+        """A part with a row per `tokens_per_row` positions (int4 key scales: per group) keeps its rows in the
+        blocks of those positions. A group larger than a block keeps its row in the group's first block (the
+        others' row stays unused: honest, if wasteful); any other ratio cannot be addressed by block."""
+        if self.block_size % tokens_per_row == 0:
+            return self.block_size // tokens_per_row
+        if tokens_per_row % self.block_size == 0:
+            return 1
+        divisors = ", ".join(str(d) for d in range(1, tokens_per_row + 1) if tokens_per_row % d == 0)
+        raise Unsupported(
+            f"block_size {self.block_size} cannot hold whole int4 key groups of kv_group_size={tokens_per_row} "
+            f"tokens; allowed: block_size dividing or a multiple of it ({divisors}, or a multiple of {tokens_per_row})"
+        )
+
+    def ensure_blocks(self, seq: int, n_tokens: int) -> bool:
+        """Grow sequence `seq`'s table to cover n_tokens positions; returns whether it took a block."""
+        blocks = self.tables[seq]
+        need = blocks_for(n_tokens, self.block_size)
+        grown = len(blocks) < need
+        while len(blocks) < need:
+            if not self.free_blocks:
+                raise KVPoolExhausted(
+                    f"paged KV pool exhausted: {self.pool.shape[2]} blocks of {self.block_size} tokens "
+                    f"cannot hold {self.spec.batch_size} sequences of {n_tokens} tokens"
+                )
+            blocks.append(self.free_blocks.pop())
+        return grown
+
     def prepare(self, start_pos: int, n_new: int) -> None:
-        need = blocks_for(start_pos + n_new, self.block_size)
-        grown = False
-        for blocks in self.tables:
-            while len(blocks) < need:
-                if not self.free_blocks:
-                    raise KVPoolExhausted(
-                        f"paged KV pool exhausted: {self.pool.shape[2]} blocks of {self.block_size} tokens "
-                        f"cannot hold {self.spec.batch_size} sequences of {start_pos + n_new} tokens"
-                    )
-                blocks.append(self.free_blocks.pop())
-                grown = True
-        if grown:  # one small host-to-device copy every block_size steps, not every step
+        end = start_pos + n_new
+        grown = [self.ensure_blocks(seq, end) for seq in range(self.spec.batch_size)]  # every sequence, no short cut
+        if any(grown):  # one small host-to-device copy every block_size steps, not every step
+            need = blocks_for(end, self.block_size)
             rows = torch.tensor([b[:need] for b in self.tables], dtype=torch.long)
             if self.table.is_cuda:  # pinned + non_blocking: the copy queues on the stream, the host never waits
                 rows = rows.pin_memory()
             self.table[:, :need].copy_(rows, non_blocking=True)
-        self.n_tokens = start_pos + n_new
+        self.n_tokens = end
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
-        n_new = k.shape[2]
-        end = start_pos + n_new
-        k_pool, v_pool = self.pool[layer]  # [N, H_kv, bs, D] each
-        # Scatter the new tokens: token at position p lives in block table[b, p // bs], slot p % bs.
-        pos = torch.arange(start_pos, end, device=k.device)
-        blocks = self.table[:, pos // self.block_size]  # [B, T]
-        slots = (pos % self.block_size).expand_as(blocks)  # [B, T]
-        k_pool[blocks, :, slots] = k.transpose(1, 2).to(k_pool.dtype)  # indexed view is [B, T, H_kv, D]
-        v_pool[blocks, :, slots] = v.transpose(1, 2).to(v_pool.dtype)
-        # Gather the sequence's blocks in table order: [B, nb, H_kv, bs, D] -> [B, H_kv, nb * bs, D] -> first `end`.
-        n_blocks = blocks_for(end, self.block_size)
-        table = self.table[:, :n_blocks]
-        k_seq = self._contiguous(k_pool[table])[:, :, :end]
-        v_seq = self._contiguous(v_pool[table])[:, :, :end]
+        self._write(layer, k, v, start_pos)
+        k_seq, v_seq = self._gather(layer, start_pos + k.shape[2], q.dtype)
         return attention(q, k_seq, v_seq, start_pos)
 
-    @staticmethod
-    def _contiguous(blocks: torch.Tensor) -> torch.Tensor:
-        batch, n_blocks, heads, block_size, head_dim = blocks.shape
-        return blocks.transpose(1, 2).reshape(batch, heads, n_blocks * block_size, head_dim)
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> None:
+        """Store k, v [B, H_kv, T, D] at positions start_pos..start_pos+T-1, through the block table."""
+        self.format.write(self, layer, k, v, start_pos)
+
+    def _gather(self, layer: int, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions 0..end-1 in table order as [B, H_kv, end, D] each, in dtype."""
+        return self.format.read(self, layer, end, dtype)
+
+    # harness.kv.quant.RowStore. Row r of a part with g tokens per row covers positions r*g..: it lives in block
+    # table[b, r*g // bs], slot r % rows_per_block (g = 1, the data: block p // bs, slot p % bs).
+    def put_rows(self, layer: int, name: str, x: torch.Tensor, first: int) -> None:
+        part = self.rows[name][layer]  # [N, H_kv, rows per block, width]
+        rows = torch.arange(first, first + x.shape[2], device=x.device)
+        blocks = self.table[:, rows * self.tokens_per_row[name] // self.block_size]  # [B, n]
+        slots = (rows % part.shape[2]).expand_as(blocks)  # [B, n]
+        part[blocks, :, slots] = x.transpose(1, 2).to(part.dtype)  # indexed view is [B, n, H_kv, width]
+
+    def get_rows(self, layer: int, name: str, n: int) -> torch.Tensor:
+        part = self.rows[name][layer]  # [N, H_kv, rows per block, width]
+        rows_per_block, tokens = part.shape[2], self.tokens_per_row[name]
+        if rows_per_block * tokens == self.block_size:  # every block holds rows: the table's first blocks, in order
+            table = self.table[:, : blocks_for(n, rows_per_block)]
+        else:  # a row per group of several blocks: the first block of each group
+            table = self.table[:, torch.arange(n, device=part.device) * tokens // self.block_size]
+        blocks = part[table]  # [B, nb, H_kv, rows per block, width]
+        batch, n_blocks, heads, _, width = blocks.shape
+        return blocks.transpose(1, 2).reshape(batch, heads, n_blocks * rows_per_block, width)[:, :, :n]
 
     def release(self) -> None:
         """The batch completed: every block goes back to the pool."""
@@ -102,13 +152,16 @@ class PagedCache:
         return sum(len(blocks) for blocks in self.tables)
 
     def kv_bytes_allocated(self) -> int:
-        return self.pool.numel() * self.pool.element_size()
+        # Data and scales for every block, and the int4 full-precision tail (format.tensors(): per sequence,
+        # outside the pool, at most kv_residual + kv_group_size - 1 tokens).
+        tensors = [self.pool, *self.scales.values(), *self.format.tensors()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def kv_bytes_live(self) -> int:
         return int(self.n_tokens * self.spec.batch_size * self.spec.bytes_per_token)
 
     def kv_scale_bytes(self) -> int:
-        return 0  # plain dtypes only, for now
+        return sum(t.numel() * t.element_size() for t in self.scales.values())
 
 
 STRATEGY = PagedCache

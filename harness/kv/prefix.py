@@ -1,0 +1,187 @@
+"""Prefix caching: the K/V of a prompt prefix every sequence shares is computed once and stored once.
+
+Paged storage (harness.kv.paged) whose prefix blocks are shared and ref-counted, after vLLM's automatic prefix
+caching (Kwon et al. 2023, section 4.4 "Shared prefix"; vLLM docs, "Automatic Prefix Caching"). Every sequence's
+block table starts with the same physical prefix blocks, with no copy. A block goes back to the free list only
+when its last reference goes: each table holding it counts one, and the cache itself holds one, so the prefix
+survives `release()` of a batch and the next batch with the same prefix (a hit) prefills only its suffixes.
+
+The prefix is identified by its token ids: one chained sha256 per block (a block's hash covers every token before
+it, as vLLM's block hashes do). A different prefix is a miss; the cache keeps one prefix and evicts it on a miss.
+
+Partial last block: only whole blocks are shared. The cached prefix is floor(prefix_len / block_size) * block_size
+tokens; the remaining prefix_len % block_size tokens are computed and stored by each sequence as the start of its
+suffix. No sequence ever writes into a shared block, so no copy-on-write is needed; sharing them too would save at
+most block_size - 1 tokens per sequence. int4 (KIVI) also shares whole key groups only (a group's scales depend on
+all its tokens), and needs kv_residual=0: its full-precision tail is private to each sequence and overwritten by
+the batch's decode, so a later batch could not find the prefix's newest tokens there (Unsupported otherwise).
+
+The decode hook (harness.decode.prefill): `prefill_prefix(model, prompt) -> int` computes the shared prefix once on
+a miss (one batch-1 forward pass into fresh blocks), points every sequence's table at it, and returns the number of
+leading tokens every sequence now holds; prefill then runs the rest with start_pos at that number. With
+spec.prefix_len == 0 (or shorter than a block) it returns 0 and the cache behaves exactly like `paged`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import ClassVar
+
+import torch
+
+from harness.kv.base import CacheSpec, Unsupported, blocks_for
+from harness.kv.paged import Options, PagedCache
+
+
+def block_hashes(token_ids: torch.Tensor, block_size: int) -> tuple[bytes, ...]:
+    """token_ids [n] on the host, n a multiple of block_size -> one sha256 per block, each chained to the previous
+    (vLLM's prefix-cache key; sha256, not Python's hash, so two different prefixes never collide in practice)."""
+    assert token_ids.numel() % block_size == 0, "only whole blocks are hashed"
+    hashes, parent = [], b""
+    for block in token_ids.to(torch.int64).split(block_size):
+        parent = hashlib.sha256(parent + block.numpy().tobytes()).digest()
+        hashes.append(parent)
+    return tuple(hashes)
+
+
+def shared_unit(spec: CacheSpec, block_size: int) -> int:
+    """The shared prefix is a multiple of this many tokens: whole blocks, and for int4 whole key groups as well."""
+    return math.lcm(block_size, spec.kv_group_size) if spec.kv_dtype == "int4" else block_size
+
+
+class PrefixCache(PagedCache):
+    name: ClassVar[str] = "prefix"
+
+    def __init__(self, spec: CacheSpec, options: Options) -> None:
+        if spec.kv_dtype == "int4" and spec.kv_residual > 0 and spec.prefix_len > 0:
+            raise Unsupported(
+                f"prefix: int4 keeps each sequence's newest {spec.kv_residual} tokens in a private full-precision "
+                "tail that a later batch cannot reuse; allowed: kv_residual=0"
+            )
+        self.shared_unit = shared_unit(spec, options.block_size)
+        if options.pool_tokens is None:
+            # What the point needs at its peak: the prefix blocks once, plus each sequence's own blocks after them.
+            # Paged would hold the prefix once per sequence; the difference is exactly kv_bytes_shared().
+            n_prefix_blocks = spec.prefix_len // self.shared_unit * self.shared_unit // options.block_size
+            per_sequence = blocks_for(spec.max_tokens, options.block_size)
+            n_blocks = spec.batch_size * per_sequence - (spec.batch_size - 1) * n_prefix_blocks
+            options = dataclasses.replace(options, pool_tokens=n_blocks * options.block_size)
+        super().__init__(spec, options)
+        self.refs: dict[int, int] = {}  # shared block id -> references: the tables holding it, plus the cache's own
+        self.prefix_blocks: list[int] = []  # the cached prefix's blocks, in order; the cache's references
+        self.prefix_key: tuple[bytes, ...] = ()  # block_hashes of the cached prefix
+        self.prefix_hit = False  # whether the last prefill found its prefix cached
+        self.n_shared_tokens = 0  # leading tokens of the live batch stored in shared blocks
+
+    def prefill_prefix(self, model: torch.nn.Module, prompt: torch.Tensor) -> int:
+        """prompt [B, P]: make the shared prefix present for every sequence; return its length in tokens (0: none).
+
+        A miss runs model(prompt[:1, :n], start_pos=0) once, as a single sequence, into blocks the cache keeps.
+        """
+        self._drop_sequences()  # a new batch (release() has normally done this already)
+        # Whole blocks only, and at least one token left to prefill: its logits give the first output token.
+        n_tokens = min(self.spec.prefix_len, prompt.shape[1] - 1) // self.shared_unit * self.shared_unit
+        self.prefix_hit, self.n_shared_tokens = False, 0
+        if n_tokens <= 0:
+            return 0
+        ids = prompt[:, :n_tokens].cpu()  # [B, n]: a small copy to the host, where the block hashes are computed
+        if not bool((ids == ids[:1]).all()):
+            raise ValueError(
+                f"prefix_len: the batch's prompts differ within their first {n_tokens} tokens; every sequence "
+                "must start with the same prefix"
+            )
+        key = block_hashes(ids[0], self.block_size)
+        self.prefix_hit = key == self.prefix_key
+        if not self.prefix_hit:
+            self.forget_prefix()  # one prefix at a time: the old one makes room for the new
+            self._compute_prefix(model, prompt[:1, :n_tokens])
+            self.prefix_key = key
+        for blocks in self.tables:  # every table points at the same physical blocks: no copy
+            blocks.extend(self.prefix_blocks)
+        for block in self.prefix_blocks:
+            self.refs[block] += len(self.tables)
+        self._sync_table()
+        self.n_tokens = self.n_shared_tokens = n_tokens
+        return n_tokens
+
+    def _compute_prefix(self, model: torch.nn.Module, prefix: torch.Tensor) -> None:
+        """prefix [1, n]: one forward pass as a lone sequence; the blocks it fills become the shared ones."""
+        with self._single_sequence() as blocks:
+            model(prefix, start_pos=0, cache=self, last_only=True)  # the logits are not needed, only the K/V
+        self.prefix_blocks = blocks
+        self.refs = {block: 1 for block in blocks}  # the cache's own reference
+
+    @contextmanager
+    def _single_sequence(self) -> Iterator[list[int]]:
+        """For the duration, the cache holds one sequence (its block list is yielded), not the batch."""
+        tables, table = self.tables, self.table
+        blocks: list[int] = []
+        self.tables, self.table = [blocks], table[:1]  # [1, blocks_per_seq], a view of the first row
+        try:
+            yield blocks
+        except BaseException:
+            self.free_blocks.extend(reversed(blocks))  # a failed pass (pool exhausted) leaks nothing
+            raise
+        finally:
+            self.tables, self.table = tables, table
+
+    def prepare(self, start_pos: int, n_new: int) -> None:
+        grown = [self.ensure_blocks(seq, start_pos + n_new) for seq in range(len(self.tables))]
+        if any(grown):
+            self._sync_table()
+        self.n_tokens = start_pos + n_new
+
+    def _sync_table(self) -> None:
+        """The host tables -> the device table (all sequences hold the same number of blocks)."""
+        need = len(self.tables[0])
+        rows = torch.tensor([blocks[:need] for blocks in self.tables], dtype=torch.long)
+        if self.table.is_cuda:  # pinned + non_blocking: the copy queues on the stream, the host never waits
+            rows = rows.pin_memory()
+        self.table[:, :need].copy_(rows, non_blocking=True)
+
+    def _unref(self, block: int) -> None:
+        """Drop one reference; a block nobody references returns to the pool. Unshared blocks have one."""
+        refs = self.refs.pop(block, 1) - 1
+        if refs:
+            self.refs[block] = refs
+        else:
+            self.free_blocks.append(block)
+
+    def _drop_sequences(self) -> None:
+        for blocks in self.tables:
+            for block in reversed(blocks):
+                self._unref(block)
+            blocks.clear()
+        self.n_tokens = self.n_shared_tokens = 0
+
+    def release(self) -> None:
+        """The batch completed: its own blocks go back to the pool; the prefix stays, held by the cache."""
+        self._drop_sequences()
+
+    def forget_prefix(self) -> None:
+        """Drop the cache's reference to its prefix: the next prefill is a miss. Blocks a live batch still reads
+        stay until its release()."""
+        for block in reversed(self.prefix_blocks):
+            self._unref(block)
+        self.prefix_blocks, self.prefix_key = [], ()
+
+    def blocks_in_use(self) -> int:
+        """Physical blocks held, a shared one counted once."""
+        return len({block for blocks in self.tables for block in blocks} | set(self.prefix_blocks))
+
+    def kv_bytes_shared(self) -> int:
+        """KV bytes the live batch saves by sharing: every sequence but one would otherwise hold the prefix."""
+        return int((self.spec.batch_size - 1) * self.n_shared_tokens * self.spec.bytes_per_token)
+
+    def kv_bytes_live(self) -> int:
+        """Distinct tokens stored: each sequence's own, plus every shared block still referenced, once."""
+        own = self.spec.batch_size * (self.n_tokens - self.n_shared_tokens)
+        shared = len(self.refs) * self.block_size
+        return int((own + shared) * self.spec.bytes_per_token)
+
+
+STRATEGY = PrefixCache

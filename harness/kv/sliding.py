@@ -1,0 +1,189 @@
+"""Sliding-window KV cache: a ring of `window` slots per sequence, optionally with attention sinks.
+
+Lossy beyond the window. Once a sequence is longer than `window`, its oldest tokens are overwritten and no later
+token attends to them: the model then computes windowed attention, not the full attention most models were
+trained for (Mistral-7B-v0.1 was trained with a 4096-token window and a rolling buffer like this one: Jiang et al.
+2023, "Mistral 7B", section 2). Up to `window` tokens it is exact: it computes what `contiguous` computes.
+
+`window` counts every cached token, sinks included: a sequence holds at most `window` tokens, its first `sinks`
+in fixed slots (kept forever: the attention sinks of StreamingLLM, Xiao et al. 2023) and the rest in a ring of
+`window - sinks` slots that overwrites the oldest. The rule, in prefill as in decode so that both agree:
+
+    query at position i sees key j  iff  j <= i and (j < sinks or i - j < window - sinks)
+
+RoPE is applied before caching (k arrives rotated), so every key keeps its true position and nothing is
+re-rotated; the order of keys in the ring then does not matter to attention. (StreamingLLM instead re-encodes
+positions within the cache; this is Mistral's rolling buffer plus sinks.)
+
+Memory is flat in sequence length: min(window, max_tokens) slots per sequence, never max_tokens beyond that.
+
+Formats: plain dtypes, fp8 and int8, through harness.kv.quant's per-token codecs (a token's data and scale share its
+slot). int4 is Unsupported: KIVI quantizes keys per channel across groups of consecutive tokens, which a ring that
+overwrites one token at a time would tear apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from harness.kv.base import CacheSpec, attention
+from harness.kv.quant import token_codec
+
+
+@dataclass(frozen=True)
+class Options:
+    window: int = 4096  # tokens cached per sequence, sinks included; Mistral-7B-v0.1's sliding_window
+    sinks: int = 0  # first tokens kept forever; StreamingLLM keeps 4 (Xiao et al. 2023, section 3.2)
+
+    def __post_init__(self) -> None:
+        if self.window <= 0:
+            raise ValueError(f"cache.window: must be a positive number of tokens, got {self.window}")
+        if self.sinks < 0:
+            raise ValueError(f"cache.sinks: must be 0 or a positive number of tokens, got {self.sinks}")
+        if self.sinks >= self.window:
+            raise ValueError(f"cache.sinks: must be less than cache.window={self.window}, got {self.sinks}")
+
+
+@dataclass
+class _Step:
+    """What one forward does, worked out once in `prepare` and followed by every layer's `attend`."""
+
+    write_src: slice | torch.Tensor  # which of the T new tokens are stored
+    write_slots: slice | torch.Tensor  # where they go
+    read_slots: slice | torch.Tensor  # slots holding keys the queries may see
+    # How to attend: "exact" (contiguous's causal attention, slot == position), "all" (one query that sees every
+    # held key) or "banded" (old keys read before the write, then `mask` over old + new keys).
+    kind: str
+    mask: torch.Tensor | None = None  # [T, S_old + T] bool, True = attend; "banded" only
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, *, window: int, sinks: int) -> torch.Tensor:
+    """The sliding rule with sinks: [T, 1] query positions x [1, S] key positions -> [T, S] bool."""
+    return (k_pos <= q_pos) & ((k_pos < sinks) | (q_pos - k_pos < window - sinks))
+
+
+def _attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query per sequence over every key given: q [B, H, 1, D], k, v [B, H_kv, S, D] in q's dtype."""
+    batch, n_heads, _, head_dim = q.shape
+    n_kv_heads = k.shape[1]
+    # As base.attention: fold each GQA group into the query axis so each K/V head is read once, never repeated.
+    out = F.scaled_dot_product_attention(q.reshape(batch, n_kv_heads, n_heads // n_kv_heads, head_dim), k, v)
+    return out.view(batch, n_heads, 1, head_dim)
+
+
+class SlidingCache:
+    name: ClassVar[str] = "sliding"
+    recomputes_prefix: ClassVar[bool] = False
+
+    def __init__(self, spec: CacheSpec, options: Options) -> None:
+        self.spec, self.window, self.sinks = spec, options.window, options.sinks
+        self.ring = options.window - options.sinks  # slots overwritten oldest first; > 0 as sinks < window
+        self.n_slots = min(options.window, spec.max_tokens)  # a window longer than the sequence is contiguous
+        self.codec = token_codec(spec.kv_dtype)  # Unsupported for int4
+        shape = (spec.n_layers, 2, spec.batch_size, spec.n_kv_heads, self.n_slots, spec.head_dim)
+        # "data" [L, K|V, B, H_kv, slots, D], and for fp8/int8 "scale" [L, K|V, B, H_kv, slots, 1]
+        self.storage = self.codec.alloc(shape, spec.device)
+        self.n_tokens = 0  # tokens seen per sequence (all sequences of a batch move in step), not tokens held
+        self.step: _Step | None = None
+
+    def _slot(self, pos: torch.Tensor) -> torch.Tensor:
+        """Position -> slot: sinks keep theirs, the rest take turns in the ring. Below `window`, slot == position."""
+        return torch.where(pos < self.sinks, pos, self.sinks + (pos - self.sinks) % self.ring)
+
+    def _slot_of(self, pos: int) -> int:
+        """`_slot` of one position, on the host: a decode step's write needs no index tensor."""
+        return pos if pos < self.sinks else self.sinks + (pos - self.sinks) % self.ring
+
+    def prepare(self, start_pos: int, n_new: int) -> None:
+        end = start_pos + n_new
+        if end > self.spec.max_tokens:
+            raise ValueError(f"sliding cache sized for {self.spec.max_tokens} tokens, asked for {end}")
+        assert start_pos == self.n_tokens, f"a ring cannot skip positions: at {self.n_tokens}, asked {start_pos}"
+        self.n_tokens = end
+        if end <= self.window:  # nothing has slid out yet: slot == position, exactly contiguous's layout
+            self.step = _Step(slice(None), slice(start_pos, end), slice(0, end), kind="exact")
+        elif n_new == 1:  # after the write the ring holds exactly the keys this query sees
+            slot = self._slot_of(start_pos)
+            self.step = _Step(slice(None), slice(slot, slot + 1), slice(None), kind="all")
+        else:
+            self.step = self._banded_step(start_pos, end)
+
+    def _banded_step(self, start_pos: int, end: int) -> _Step:
+        """T > 1 queries past the window: attend over the old held keys plus all new ones under the rule's mask,
+        then store only the new tokens that survive (sinks, and the last `ring` positions)."""
+        device = self.spec.device
+        ring_start = max(self.sinks, start_pos - self.ring)
+        old_pos = torch.cat(
+            [
+                torch.arange(min(self.sinks, start_pos), device=device),
+                torch.arange(ring_start, max(ring_start, start_pos), device=device),
+            ]
+        )  # every position the ring holds before this forward (at most `window`)
+        new_pos = torch.arange(start_pos, end, device=device)
+        keep = (new_pos < self.sinks) | (new_pos >= end - self.ring)
+        key_pos = torch.cat([old_pos, new_pos])
+        mask = _visible(new_pos[:, None], key_pos[None, :], window=self.window, sinks=self.sinks)  # [T, S_old + T]
+        return _Step(
+            write_src=(new_pos[keep] - start_pos),
+            write_slots=self._slot(new_pos[keep]),
+            read_slots=self._slot(old_pos),
+            kind="banded",
+            mask=mask,
+        )
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        for kv_index, x in enumerate((k, v)):  # x [B, H_kv, T, D]
+            for part_name, part in self.codec.encode(x[:, :, self.step.write_src]).items():
+                self.storage[part_name][layer, kv_index][:, :, self.step.write_slots] = part
+
+    def _read(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held keys and values at step.read_slots, decoded: [B, H_kv, S, D] each, in `dtype`."""
+        k, v = (
+            self.codec.decode(
+                {name: part[layer, kv_index][:, :, self.step.read_slots] for name, part in self.storage.items()},
+                dtype,
+            )
+            for kv_index in (0, 1)
+        )
+        return k, v
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """q [B, H, T, D], k and v [B, H_kv, T, D] for positions start_pos..start_pos+T-1 -> [B, H, T, D]."""
+        step = self.step
+        if step.kind == "exact":
+            self._write(layer, k, v)
+            k_held, v_held = self._read(layer, q.dtype)
+            return attention(q, k_held, v_held, start_pos)
+        if step.kind == "all":
+            self._write(layer, k, v)
+            return _attend_all(q, *self._read(layer, q.dtype))
+        # Banded: read before writing, since the new tokens may overwrite slots the earlier queries still see. The
+        # new K/V go through the storage format too, so they are the values a token-by-token decode would read back.
+        k_old, v_old = self._read(layer, q.dtype)
+        k_new, v_new = (self.codec.decode(self.codec.encode(x), q.dtype) for x in (k, v))
+        keys = torch.cat([k_old, k_new], dim=2)  # [B, H_kv, S_old + T, D]
+        values = torch.cat([v_old, v_new], dim=2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, enable_gqa=q.shape[1] != k.shape[1])
+        self._write(layer, k, v)
+        return out
+
+    def release(self) -> None:
+        self.n_tokens = 0  # the slots stay reserved for the next batch; stale ones are never read
+        self.step = None
+
+    def kv_bytes_allocated(self) -> int:
+        return sum(part.numel() * part.element_size() for part in self.storage.values())
+
+    def kv_bytes_live(self) -> int:
+        held = min(self.n_tokens, self.n_slots)
+        return int(held * self.spec.batch_size * self.spec.bytes_per_token)
+
+    def kv_scale_bytes(self) -> int:
+        return sum(part.numel() * part.element_size() for name, part in self.storage.items() if name != "data")
+
+
+STRATEGY = SlidingCache
