@@ -411,6 +411,8 @@ def format_summary(df: pd.DataFrame) -> str:
         ("decode tok/s", "decode_tok_s", "{:.1f}", False),
         ("KV alloc MiB", "kv_bytes_allocated", "MiB", False),
         ("KV live MiB", "kv_bytes_live", "MiB", False),
+        ("KV waste %", "kv_waste_fraction", "%", False),
+        ("top1", "top1_agreement", "{:.3f}", False),
         ("peak MiB", "peak_mem_bytes", "MiB", False),
     ]
     cells = [[_format_cell(value, fmt) for value in df[name]] for _, name, fmt, _ in layout]
@@ -438,6 +440,8 @@ def _format_cell(value: object, fmt: str) -> str:
         return "-"
     if fmt == "MiB":
         return f"{value / _MIB_BYTES:.1f}"
+    if fmt == "%":
+        return f"{100 * value:.1f}"
     return fmt.format(value)
 
 

@@ -7,10 +7,13 @@ for a point's failure; a sweep goes on.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing as mp
+import os
 import resource
 import signal
+import sys
 import traceback
 
 import torch
@@ -32,7 +35,9 @@ def run_point(cfg: RunConfig) -> dict:
         return _guarded(cfg)
     ctx = mp.get_context("spawn")  # never fork a process that may hold a CUDA context
     receiver, sender = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child_main, args=(cfg, sender), name=f"kvbench-{cfg.point_id()}")
+    child = ctx.Process(
+        target=_child_main, args=(cfg, sender, os.getpid()), name=f"kvbench-{cfg.point_id()}", daemon=True
+    )
     child.start()
     sender.close()  # the child holds the only write end: EOF below means it died without a word
     try:
@@ -47,7 +52,8 @@ def run_point(cfg: RunConfig) -> dict:
     return failure_row(cfg, "error", f"measuring process died with exit code {child.exitcode}")
 
 
-def _child_main(cfg: RunConfig, sender) -> None:
+def _child_main(cfg: RunConfig, sender, parent_pid: int) -> None:
+    die_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     limit_memory(cfg)
     sender.send(_guarded(cfg))
@@ -67,6 +73,16 @@ def _guarded(cfg: RunConfig) -> dict:
     finally:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: have the kernel kill this child when the sweep process dies (Ctrl-C, scancel, a kill), so that no
+    orphaned measurement keeps a CPU or GPU busy under the next point."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died while this child was still starting up
+        os._exit(1)
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -74,3 +74,39 @@ def test_perplexity_of_a_text_through_a_real_checkpoint(llama_checkpoint):
     assert 1.0 < row["ppl"] < 128  # trained on this text: far better than uniform over the vocabulary
     assert abs(row["ppl_delta"]) < 0.05 * row["ppl"]  # bf16 K/V barely moves it
     assert row["top1_agreement"] > 0.9
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
+def test_8bit_kv_agrees_on_top1_for_the_large_majority_of_steps_with_real_weights(llama_checkpoint, kv_dtype):
+    row = run_point(
+        RunConfig(
+            weights=str(llama_checkpoint),
+            dtype="fp32",
+            kv_dtype=kv_dtype,
+            batch_size=4,
+            prompt_len=48,
+            gen_len=24,
+            **FAST,
+        )
+    )
+    assert row["status"] == "ok", row.get("error")
+    assert row["top1_agreement"] >= 0.9
+    assert row["kl_mean"] < 0.05 and row["logit_max_abs_err"] > 0  # lossy, but only just
+
+
+def test_int4_costs_more_accuracy_than_int8(llama_checkpoint):
+    rows = {
+        kv_dtype: run_point(
+            RunConfig(
+                weights=str(llama_checkpoint),
+                dtype="fp32",
+                kv_dtype=kv_dtype,
+                batch_size=4,
+                prompt_len=48,
+                gen_len=24,
+                **FAST,
+            )
+        )
+        for kv_dtype in ("int8", "int4")
+    }
+    assert rows["int4"]["kl_mean"] > rows["int8"]["kl_mean"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -136,3 +137,28 @@ def test_a_point_that_crashes_is_an_error_row_with_its_message(tmp_path):
     (row,) = results.load(out).to_dict("records")
     assert row["status"] == "error" and row["error"]
     assert row["model"] == "broken-llama" and row["tpot_ms"] != row["tpot_ms"]  # NaN: nothing was measured
+
+
+def test_killing_the_sweep_kills_its_measuring_child():
+    import psutil
+
+    script = (
+        "from harness.config import RunConfig; from harness.runner import run_point; "
+        "run_point(RunConfig(model={'name': 'small'}, dtype='fp32', prompt_len=512, gen_len=64, min_repeats=20))"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    try:
+        children = []
+        for _ in range(300):  # up to 30 s for the spawned child to appear
+            children = psutil.Process(parent.pid).children()
+            if children:
+                break
+            time.sleep(0.1)
+        assert children, "no measuring child was spawned"
+        time.sleep(3)  # let it get going: killed mid-import it must die too, but that is the easy case
+        parent.kill()
+        parent.wait()
+        _, alive = psutil.wait_procs(children, timeout=15)
+        assert not alive, "the measuring child outlived the sweep"
+    finally:
+        parent.kill()
