@@ -41,6 +41,7 @@ def run_point(cfg: RunConfig) -> dict:
         kv_group_size=cfg.kv_group_size,
         kv_residual=cfg.kv_residual,
         prefix_len=cfg.prefix_len,
+        dtype=cfg.dtype,
     )
     if cfg.lengths == "mixed":  # an allocation measurement: no model, no timing
         return row | fragmentation.waste_columns(cfg, spec) | {"status": "ok"}

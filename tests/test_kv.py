@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -145,3 +146,13 @@ def test_unknown_strategy_and_unknown_option_name_the_field_and_allowed_values()
         kv.parse_options("paged", {"window": 4})
     with pytest.raises(ValueError, match=r"^cache\.block_size: must be a positive"):
         kv.parse_options("paged", {"block_size": 0})
+
+
+def test_none_has_nothing_to_store_in_another_format(tiny_args):
+    from harness.kv.base import Unsupported
+
+    for kv_dtype, dtype in (("int8", None), ("bf16", "fp32")):
+        spec = CacheSpec.for_model(tiny_args, batch_size=1, max_tokens=8, kv_dtype=kv_dtype, device=CPU)
+        with pytest.raises(Unsupported, match=f"nothing to store as {kv_dtype}"):
+            kv.build("none", dataclasses.replace(spec, dtype=dtype), {})
+    kv.build("none", spec_for(tiny_args, batch_size=1, max_tokens=8), {})  # fp32 with fp32 compute: fine

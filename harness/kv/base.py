@@ -39,6 +39,7 @@ class CacheSpec:
     kv_group_size: int = 32  # int4: values per quantization group
     kv_residual: int = 0  # int4: the most recent tokens kept in full precision (KIVI's residual)
     prefix_len: int = 0  # leading prompt tokens every sequence of the batch shares (a system prompt)
+    dtype: str | None = None  # the model's compute dtype name, when the caller knows it
 
     @classmethod
     def for_model(cls, args, *, batch_size: int, max_tokens: int, kv_dtype: str, device: torch.device, **quant):

@@ -25,7 +25,7 @@ class NoCache:
     recomputes_prefix: ClassVar[bool] = True
 
     def __init__(self, spec: CacheSpec, options: Options) -> None:
-        if spec.kv_dtype in QUANTIZED:
+        if spec.kv_dtype in QUANTIZED or (spec.dtype is not None and spec.kv_dtype != spec.dtype):
             raise Unsupported(f"none keeps no K/V between steps, so there is nothing to store as {spec.kv_dtype}")
         self.spec = spec
 
