@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from harness.decode import decode_logits, prefill_logits
 from harness.kv.base import KVCache
 
 
@@ -27,15 +28,11 @@ def teacher_forced_logits(model: torch.nn.Module, cache: KVCache, prompt: torch.
     prompt [B, P]; forced [B, N]. Logits i is the model's distribution for position P + i given the prompt and
     forced[:, :i], read through `cache`.
     """
-    steps = [model(prompt, start_pos=0, cache=cache, last_only=True)[:, -1].float()]
+    steps = [prefill_logits(model, cache, prompt).float()]
     tokens = torch.cat([prompt, forced], dim=1)
     prompt_len = prompt.shape[1]
     for pos in range(prompt_len, prompt_len + forced.shape[1] - 1):
-        if cache.recomputes_prefix:
-            logits = model(tokens[:, : pos + 1], start_pos=0, cache=cache, last_only=True)
-        else:
-            logits = model(tokens[:, pos : pos + 1], start_pos=pos, cache=cache, last_only=True)
-        steps.append(logits[:, -1].float())
+        steps.append(decode_logits(model, cache, tokens, pos).float())
     cache.release()
     return torch.stack(steps, dim=1)
 

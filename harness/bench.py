@@ -70,6 +70,7 @@ def run_point(cfg: RunConfig) -> dict:
                 kv_bytes_allocated=cache.kv_bytes_allocated(),
                 kv_bytes_live=cache.kv_bytes_live(),
                 kv_scale_bytes=cache.kv_scale_bytes(),
+                kv_tail_bytes=cache.kv_tail_bytes(),
             )
             if hasattr(cache, "kv_bytes_host"):  # offload: how much of it sits in host memory
                 kv_figures["kv_bytes_host"] = cache.kv_bytes_host()
@@ -93,7 +94,9 @@ def run_point(cfg: RunConfig) -> dict:
     row |= summarize(samples, batch_size=cfg.batch_size, prompt_len=cfg.prompt_len)
     row |= kv_figures
     row["kv_waste_fraction"] = fragmentation.waste_fraction(
-        allocated=row["kv_bytes_allocated"], scales=row["kv_scale_bytes"], live=row["kv_bytes_live"]
+        allocated=row["kv_bytes_allocated"],
+        overhead=row["kv_scale_bytes"] + row["kv_tail_bytes"],
+        live=row["kv_bytes_live"],
     )
     row |= probe.columns()  # read before the accuracy pass, whose reference cache is not part of the point
     if (cfg.accuracy and is_lossy(cfg)) or cfg.eval_text:

@@ -12,23 +12,30 @@ from harness.kv.base import KVCache
 from harness.timing import Sample, StepTimer
 
 
-def prefill(model: torch.nn.Module, cache: KVCache, prompt: torch.Tensor) -> torch.Tensor:
-    """prompt [B, P] -> the first generated token [B]."""
+def prefill_logits(model: torch.nn.Module, cache: KVCache, prompt: torch.Tensor) -> torch.Tensor:
+    """prompt [B, P] -> the logits [B, V] of the token after it."""
     # Optional hook `prefill_prefix(model, prompt) -> int` (harness.kv.prefix): the cache fills the prefix every
     # sequence shares (or finds it cached) and says how many leading tokens it holds; only the rest runs here.
     prefill_prefix = getattr(cache, "prefill_prefix", None)
     cached = prefill_prefix(model, prompt) if prefill_prefix is not None else 0
-    logits = model(prompt[:, cached:], start_pos=cached, cache=cache, last_only=True)  # [B, 1, V]
-    return logits[:, -1].argmax(dim=-1)
+    return model(prompt[:, cached:], start_pos=cached, cache=cache, last_only=True)[:, -1]  # [B, V]
+
+
+def decode_logits(model: torch.nn.Module, cache: KVCache, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+    """tokens [B, S] holds the sequences so far, the newest at `pos` -> the logits [B, V] of the token after it."""
+    if cache.recomputes_prefix:
+        return model(tokens[:, : pos + 1], start_pos=0, cache=cache, last_only=True)[:, -1]
+    return model(tokens[:, pos : pos + 1], start_pos=pos, cache=cache, last_only=True)[:, -1]
+
+
+def prefill(model: torch.nn.Module, cache: KVCache, prompt: torch.Tensor) -> torch.Tensor:
+    """prompt [B, P] -> the first generated token [B]."""
+    return prefill_logits(model, cache, prompt).argmax(dim=-1)
 
 
 def decode_step(model: torch.nn.Module, cache: KVCache, tokens: torch.Tensor, pos: int) -> torch.Tensor:
     """tokens [B, S] holds the sequences so far; the newest token sits at `pos`. Returns the next token [B]."""
-    if cache.recomputes_prefix:
-        logits = model(tokens[:, : pos + 1], start_pos=0, cache=cache, last_only=True)
-    else:
-        logits = model(tokens[:, pos : pos + 1], start_pos=pos, cache=cache, last_only=True)
-    return logits[:, -1].argmax(dim=-1)
+    return decode_logits(model, cache, tokens, pos).argmax(dim=-1)
 
 
 @torch.inference_mode()

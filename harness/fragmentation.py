@@ -47,18 +47,20 @@ def waste_columns(cfg: RunConfig, spec: CacheSpec) -> dict:
         assert not cache.free_blocks, "the pool was sized to the blocks in use"
     else:
         raise Unsupported(f"lengths=mixed measures allocation waste of contiguous and paged only, not {name}")
-    allocated, scales = cache.kv_bytes_allocated(), cache.kv_scale_bytes()
+    allocated, scales, tail = cache.kv_bytes_allocated(), cache.kv_scale_bytes(), cache.kv_tail_bytes()
     live = int(sum(lengths) * spec.bytes_per_token)
     return {
         "kv_bytes_allocated": allocated,
         "kv_bytes_live": live,
         "kv_scale_bytes": scales,
-        "kv_waste_fraction": waste_fraction(allocated=allocated, scales=scales, live=live),
+        "kv_tail_bytes": tail,
+        "kv_waste_fraction": waste_fraction(allocated=allocated, overhead=scales + tail, live=live),
         "mean_request_len": sum(lengths) / len(lengths),
     }
 
 
-def waste_fraction(*, allocated: int, scales: int, live: int) -> float | None:
-    """Share of the KV payload storage that holds no token: (allocated - scales - live) / (allocated - scales)."""
-    payload = allocated - scales
+def waste_fraction(*, allocated: int, overhead: int, live: int) -> float | None:
+    """Share of the KV payload storage that holds no token. `overhead` (scales, a full-precision tail) is storage
+    a format needs beside its payload, reported on its own, so it is neither payload nor waste."""
+    payload = allocated - overhead
     return (payload - live) / payload if payload > 0 else None

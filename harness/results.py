@@ -145,10 +145,17 @@ COLUMNS: tuple[Column, ...] = (
         "Prefix caching: KV bytes the shared prefix saves against every sequence holding its own copy",
     ),
     Column(
+        "kv_tail_bytes",
+        "int64",
+        "bytes",
+        "Of kv_bytes_allocated, int4's full-precision tail (residual window, incomplete key group); 0 otherwise",
+    ),
+    Column(
         "kv_waste_fraction",
         "float64",
         "",
-        "Share of KV payload storage holding no token at the peak: (allocated - scales - live) / (allocated - scales)",
+        "Share of KV payload storage holding no token at the peak: (allocated - scales - tail - live) / "
+        "(allocated - scales - tail)",
     ),
     Column(
         "kv_bytes_predicted",

@@ -162,3 +162,36 @@ def test_killing_the_sweep_kills_its_measuring_child():
         assert not alive, "the measuring child outlived the sweep"
     finally:
         parent.kill()
+
+
+def test_the_strategies_experiment_writes_a_row_for_every_combination(tmp_path):
+    proc = kvbench(
+        "experiment=strategies",
+        "prompt_len=144",
+        "gen_len=4",
+        "warmup=0",
+        "min_repeats=1",
+        "max_repeats=1",
+        "isolate=false",
+        f"results_dir={tmp_path}",
+    )
+    assert proc.returncode == 0, proc.stderr
+    table = results.load(tmp_path)
+    assert len(table) == 6 * 6  # every strategy x every kv_dtype: no missing rows
+    assert set(table["status"]) <= {"ok", "unsupported"}, table.loc[
+        table["status"] != "ok", ["cache", "kv_dtype", "error"]
+    ]
+    unsupported = table[table["status"] == "unsupported"]
+    assert unsupported["error"].str.len().gt(10).all()  # each says why
+    assert set(unsupported.loc[unsupported["cache"] == "offload", "kv_dtype"]) == set(table["kv_dtype"])  # no CUDA
+    ok = table[table["status"] == "ok"].set_index(["cache", "kv_dtype"])
+    exact = ok.xs("fp32", level="kv_dtype")["output_digest"]
+    assert exact["none"] == exact["contiguous"] == exact["paged"] == exact["prefix"]
+    for kv_dtype in ("fp8_e4m3", "int8", "int4"):  # the same storage math, whatever the layout
+        assert ok.loc[("contiguous", kv_dtype), "output_digest"] == ok.loc[("paged", kv_dtype), "output_digest"]
+        assert ok.loc[("contiguous", kv_dtype), "top1_agreement"] > 0
+    lossy = ok[ok.index.get_level_values("kv_dtype") != "fp32"]
+    assert lossy[["logit_max_abs_err", "kl_mean", "top1_agreement"]].notna().all().all()
+    assert ok.loc[("sliding", "fp32"), "top1_agreement"] > 0  # past its window: lossy, so measured
+    ratio = ok.loc[("contiguous", "int8"), "kv_bytes_allocated"] / ok.loc[("contiguous", "bf16"), "kv_bytes_allocated"]
+    assert 0.5 <= ratio < 0.55

@@ -91,7 +91,12 @@ class KVCache(Protocol):
         ...
 
     def kv_scale_bytes(self) -> int:
-        """Of kv_bytes_allocated, the bytes that hold quantization scales (0 for plain dtypes)."""
+        """Of kv_bytes_allocated, the bytes that hold quantization scales and zero points (0 for plain dtypes)."""
+        ...
+
+    def kv_tail_bytes(self) -> int:
+        """Of kv_bytes_allocated, the full-precision tail a format keeps beside its narrow storage (int4's
+        residual window and incomplete key group; 0 otherwise)."""
         ...
 
 

@@ -85,5 +85,8 @@ class ContiguousCache:
     def kv_scale_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.scales.values())
 
+    def kv_tail_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.format.tensors())
+
 
 STRATEGY = ContiguousCache

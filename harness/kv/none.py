@@ -47,5 +47,8 @@ class NoCache:
     def kv_scale_bytes(self) -> int:
         return 0
 
+    def kv_tail_bytes(self) -> int:
+        return 0
+
 
 STRATEGY = NoCache

@@ -137,5 +137,8 @@ class OffloadCache:
     def kv_scale_bytes(self) -> int:
         return 0
 
+    def kv_tail_bytes(self) -> int:
+        return 0
+
 
 STRATEGY = OffloadCache

@@ -163,5 +163,8 @@ class PagedCache:
     def kv_scale_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.scales.values())
 
+    def kv_tail_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.format.tensors())
+
 
 STRATEGY = PagedCache

@@ -185,5 +185,8 @@ class SlidingCache:
     def kv_scale_bytes(self) -> int:
         return sum(part.numel() * part.element_size() for name, part in self.storage.items() if name != "data")
 
+    def kv_tail_bytes(self) -> int:
+        return 0
+
 
 STRATEGY = SlidingCache
