@@ -74,6 +74,8 @@ def run_point(cfg: RunConfig) -> dict:
             )
             if hasattr(cache, "kv_bytes_host"):  # offload: how much of it sits in host memory
                 kv_figures["kv_bytes_host"] = cache.kv_bytes_host()
+            if hasattr(cache, "kv_bytes_shared"):  # prefix caching: what sharing the prefix saved
+                kv_figures["kv_bytes_shared"] = cache.kv_bytes_shared()
             cache.release()
             outputs.append(generated)
             return sample
@@ -88,7 +90,7 @@ def run_point(cfg: RunConfig) -> dict:
         samples = measure(run_once, policy)
         hit = getattr(cache, "prefix_hit", None)  # prefix caching: the measured prefills found the prefix cached
         if hit is not None:
-            row |= {"prefix_hit": hit, "kv_bytes_shared": cache.kv_bytes_shared()}
+            row["prefix_hit"] = hit
             row["ttft_miss_ms"] = median_miss_ttft(cache, run_once, n=cfg.min_repeats)
 
     row |= summarize(samples, batch_size=cfg.batch_size, prompt_len=cfg.prompt_len)

@@ -180,3 +180,28 @@ def test_prefix_options_are_paged_options_validated_by_name():
         kv.parse_options("prefix", {"block_size": 0})
     with pytest.raises(ValueError, match=r"^cache\.window: not an option of cache 'prefix'; allowed: block_size"):
         kv.parse_options("prefix", {"window": 4})
+
+
+def test_a_prefix_point_records_the_hit_the_miss_and_the_bytes_shared():
+    from harness.bench import run_point
+    from harness.config import RunConfig
+
+    row = run_point(
+        RunConfig(
+            model={"name": "tiny"},
+            dtype="fp32",
+            cache={"name": "prefix", "block_size": 8},
+            batch_size=3,
+            prompt_len=40,
+            prefix_len=32,
+            gen_len=4,
+            warmup=1,
+            min_repeats=2,
+            max_repeats=2,
+            isolate=False,
+        )
+    )
+    assert row["status"] == "ok" and row["prefix_hit"] is True
+    assert row["ttft_miss_ms"] > 0 and row["ttft_ms"] > 0
+    per_token = 2 * 2 * 2 * 16 * 4  # K|V x layers x kv_heads x head_dim x fp32 bytes
+    assert row["kv_bytes_shared"] == (3 - 1) * 32 * per_token
