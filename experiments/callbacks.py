@@ -14,7 +14,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from harness import results
+from harness import crossover, results
 from harness.config import ConfigError, RunConfig
 
 log = logging.getLogger("kvbench")
@@ -77,3 +77,7 @@ class SweepProgress(Callback):
             print(
                 f"  {row['status']}: {row['cache']} batch={row['batch_size']} prompt={row['prompt_len']}: {row['error']}"
             )
+        knees = crossover.knee_table(table)
+        if not knees.empty:  # a batch sweep: where TPOT started rising, beside the predicted critical batch
+            print(f"\nObserved knee (TPOT > {crossover.KNEE_RISE:.2f} x batch 1) beside the predicted B*:")
+            print(knees.to_string(index=False))

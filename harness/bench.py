@@ -87,7 +87,9 @@ def run_point(cfg: RunConfig) -> dict:
             max_time_s=cfg.max_time_s,
             target_rse=cfg.target_rse,
         )
+        probe.begin_timed()
         samples = measure(run_once, policy)
+        probe.end_timed(n_tokens=len(outputs) * cfg.batch_size * cfg.gen_len)  # warm-up generations included
         hit = getattr(cache, "prefix_hit", None)  # prefix caching: the measured prefills found the prefix cached
         if hit is not None:
             row["prefix_hit"] = hit
@@ -101,6 +103,7 @@ def run_point(cfg: RunConfig) -> dict:
         live=row["kv_bytes_live"],
     )
     row |= probe.columns()  # read before the accuracy pass, whose reference cache is not part of the point
+    row |= probe.validity_columns()
     if (cfg.accuracy and is_lossy(cfg)) or cfg.eval_text:
         row |= accuracy_columns(cfg, model=model, cache=cache, spec=spec, prompt=prompt)
     row["weights_bytes"] = weights_bytes(model)

@@ -10,6 +10,7 @@ import os
 import resource
 import sys
 import threading
+import time
 
 import psutil
 import torch
@@ -57,6 +58,28 @@ class NvmlSampler:
         used = [p.usedGpuMemory for p in procs if p.pid == self.pid and p.usedGpuMemory is not None]
         return int(sum(used)) if used else None
 
+    def snapshot(self) -> dict:
+        """Clocks, throttle reasons and the energy counter now: read at both ends of the timed region, so that a
+        throttled or down-clocked run is visible in its row."""
+        nvml = self.nvml
+        reasons = (
+            getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+            or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        )
+        return {
+            "sm_clock_mhz": nvml.nvmlDeviceGetClockInfo(self.handle, nvml.NVML_CLOCK_SM),
+            "mem_clock_mhz": nvml.nvmlDeviceGetClockInfo(self.handle, nvml.NVML_CLOCK_MEM),
+            "throttle_reasons": int(reasons(self.handle)),
+            "energy_mj": self._energy_mj(),
+            "time_s": time.perf_counter(),
+        }
+
+    def _energy_mj(self) -> int | None:
+        try:  # Volta and newer; millijoules since the driver loaded
+            return int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
+        except self.nvml.NVMLError:
+            return None
+
     def _sample(self) -> None:
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes())
         process = self.process_bytes()
@@ -79,6 +102,18 @@ class NvmlSampler:
         self.nvml.nvmlShutdown()
 
 
+VALIDITY_COLUMNS = (
+    "energy_j_per_token",
+    "mean_power_w",
+    "sm_clock_mhz_start",
+    "sm_clock_mhz_end",
+    "mem_clock_mhz_start",
+    "mem_clock_mhz_end",
+    "throttle_reasons_start",
+    "throttle_reasons_end",
+)
+
+
 class MemoryProbe:
     """Everything a point records about memory, read around its measured region.
 
@@ -90,6 +125,9 @@ class MemoryProbe:
         self.device = device
         self.sampler: NvmlSampler | None = None
         self.baseline_bytes: int | None = None
+        self.timed_start: dict | None = None
+        self.timed_end: dict | None = None
+        self.timed_tokens = 0
 
     def baseline(self) -> None:
         if self.device.type == "cuda":
@@ -114,6 +152,40 @@ class MemoryProbe:
             torch.cuda.synchronize(self.device)
         if self.sampler is not None:
             self.sampler.__exit__(*exc)
+
+    def begin_timed(self) -> None:
+        """Mark the start of the timed generations (CUDA: clocks, throttle reasons, energy counter)."""
+        self.timed_start = self._snapshot()
+
+    def end_timed(self, n_tokens: int) -> None:
+        """Mark their end; n_tokens is every token they generated (all sequences, prefill's first token included)."""
+        self.timed_end = self._snapshot()
+        self.timed_tokens = n_tokens
+
+    def _snapshot(self) -> dict | None:
+        if self.sampler is None:
+            return None
+        torch.cuda.synchronize(self.device)
+        try:
+            return self.sampler.snapshot()
+        except self.sampler.nvml.NVMLError as exc:
+            log.warning("NVML clocks/energy unavailable, their columns will be null: %s", exc)
+            return None
+
+    def validity_columns(self) -> dict:
+        """Energy per token, mean power, and clocks and throttle reasons at both ends of the timed region; null on
+        CPU or wherever NVML cannot read them."""
+        start, end = self.timed_start, self.timed_end
+        columns = dict.fromkeys(VALIDITY_COLUMNS)
+        if start is None or end is None:
+            return columns
+        for key in ("sm_clock_mhz", "mem_clock_mhz", "throttle_reasons"):
+            columns[f"{key}_start"], columns[f"{key}_end"] = start[key], end[key]
+        if start["energy_mj"] is not None and end["energy_mj"] is not None:
+            energy_j = (end["energy_mj"] - start["energy_mj"]) / 1e3
+            columns["energy_j_per_token"] = energy_j / self.timed_tokens
+            columns["mean_power_w"] = energy_j / (end["time_s"] - start["time_s"])
+        return columns
 
     def columns(self) -> dict:
         if self.device.type != "cuda":

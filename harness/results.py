@@ -182,6 +182,20 @@ COLUMNS: tuple[Column, ...] = (
     ),
     Column("nvml_peak_used_bytes", "int64", "bytes", "Peak device memory in use, all processes (NVML); null on CPU"),
     Column("nvml_process_peak_bytes", "int64", "bytes", "Peak device memory used by this process (NVML); null on CPU"),
+    # Energy and validity (CUDA, through NVML; null on CPU)
+    Column(
+        "energy_j_per_token",
+        "float64",
+        "J",
+        "NVML total-energy delta over the timed generations (warm-up included, prefill included) / tokens generated",
+    ),
+    Column("mean_power_w", "float64", "W", "Mean board power over the timed generations (energy delta / wall time)"),
+    Column("sm_clock_mhz_start", "int64", "MHz", "SM clock when the timed generations began"),
+    Column("sm_clock_mhz_end", "int64", "MHz", "SM clock when they ended: a drop means thermal or power limits"),
+    Column("mem_clock_mhz_start", "int64", "MHz", "Memory clock when the timed generations began"),
+    Column("mem_clock_mhz_end", "int64", "MHz", "Memory clock when they ended"),
+    Column("throttle_reasons_start", "int64", "", "NVML clock-event (throttle) reason bitmask at the start; 0: none"),
+    Column("throttle_reasons_end", "int64", "", "NVML clock-event (throttle) reason bitmask at the end; 0: none"),
     # Accuracy: lossy points against the exact cache (contiguous, kv_dtype = dtype), teacher-forced on its tokens
     Column("logit_max_abs_err", "float64", "", "Largest |logit - exact logit| over every step, sequence and token"),
     Column("kl_mean", "float64", "nats", "Mean KL(exact || lossy) of the next-token distributions over all steps"),

@@ -47,3 +47,12 @@ def test_max_memory_gb_forces_a_cuda_oom_row():
         RunConfig(model={"name": "small"}, device="cuda", batch_size=512, prompt_len=4096, gen_len=8, max_memory_gb=2)
     )
     assert row["status"] == "oom", row.get("error")
+
+
+def test_a_cuda_point_records_energy_clocks_and_throttle_reasons():
+    row = run_point(RunConfig(model={"name": "small"}, device="cuda", prompt_len=128, gen_len=32, warmup=1))
+    assert row["status"] == "ok", row.get("error")
+    assert row["sm_clock_mhz_start"] > 0 and row["mem_clock_mhz_end"] > 0
+    assert row["throttle_reasons_start"] >= 0
+    if row["energy_j_per_token"] is not None:  # Volta and newer
+        assert row["energy_j_per_token"] > 0 and row["mean_power_w"] > 10

@@ -1,0 +1,49 @@
+"""The observed knee of a batch sweep."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from harness.crossover import knee_table
+
+
+def sweep(tpots: dict[int, float], prompt_len: int = 128, critical_batch: float | None = 48.0) -> pd.DataFrame:
+    return pd.DataFrame(
+        [
+            dict(
+                model="small",
+                device="cpu",
+                dtype="bf16",
+                kv_dtype="bf16",
+                cache="contiguous",
+                prompt_len=prompt_len,
+                status="ok",
+                batch_size=batch,
+                tpot_ms=tpot,
+                critical_batch=critical_batch,
+            )
+            for batch, tpot in tpots.items()
+        ]
+    )
+
+
+def test_the_knee_is_the_first_batch_whose_tpot_rises_25_percent_above_batch_1():
+    table = knee_table(sweep({1: 10.0, 2: 10.2, 4: 11.0, 8: 12.4, 16: 13.0, 32: 20.0}))
+    assert table.loc[0, "knee_batch"] == 16 and table.loc[0, "critical_batch"] == 48.0
+    assert table.loc[0, "tpot_b1_ms"] == 10.0 and table.loc[0, "batches"] == 6
+
+
+def test_a_sweep_that_never_rises_has_no_knee():
+    table = knee_table(sweep({1: 10.0, 2: 10.1, 4: 10.3}))
+    assert pd.isna(table.loc[0, "knee_batch"])
+
+
+def test_each_prompt_length_is_its_own_sweep_and_failed_points_are_ignored():
+    rows = pd.concat([sweep({1: 10.0, 2: 30.0}, prompt_len=128), sweep({1: 10.0, 2: 11.0}, prompt_len=1024)])
+    rows.loc[len(rows)] = rows.iloc[0].to_dict() | {"batch_size": 4, "status": "oom", "tpot_ms": None}
+    table = knee_table(rows).set_index("prompt_len")
+    assert table.loc[128, "knee_batch"] == 2 and pd.isna(table.loc[1024, "knee_batch"])
+
+
+def test_rows_without_a_batch_sweep_give_an_empty_table():
+    assert knee_table(sweep({1: 10.0})).empty
