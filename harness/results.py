@@ -263,6 +263,26 @@ def write_point(row: dict, directory: str | Path) -> Path:
     return path
 
 
+OPS_SUFFIX = ".ops.parquet"  # a point's profiler top-ops table, beside its row: <point_id>.ops.parquet
+
+
+def write_ops(point_id: str, table: pd.DataFrame, directory: str | Path) -> Path:
+    """The profiler's top-ops table of one point, keyed by its point_id, written atomically beside the row."""
+    path = Path(directory) / f"{point_id}{OPS_SUFFIX}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame = table.assign(point_id=point_id)
+    _write_parquet_atomic(table=pa.Table.from_pandas(frame, preserve_index=False), path=path)
+    return path
+
+
+def load_ops(path: str | Path) -> pd.DataFrame:
+    """Every top-ops table under a directory, concatenated (a point_id column says whose)."""
+    files = sorted(p for p in Path(path).rglob(f"*{OPS_SUFFIX}") if not p.name.startswith("."))
+    if not files:
+        return pd.DataFrame(columns=["point_id"])
+    return pd.concat([pd.read_parquet(file) for file in files], ignore_index=True)
+
+
 def _one_value_array(field: pa.Field, value: object) -> pa.Array:
     try:
         # from_pandas: a float NaN becomes null, so "not measured" has one spelling on disk.
@@ -337,7 +357,9 @@ def _parquet_files(path: Path) -> list[Path]:
     return sorted(
         file
         for file in path.rglob("*.parquet")
-        if file.is_file() and not any(part.startswith(".") for part in file.relative_to(path).parts)
+        if file.is_file()
+        and not file.name.endswith(OPS_SUFFIX)  # profiler tables: load_ops()
+        and not any(part.startswith(".") for part in file.relative_to(path).parts)
     )
 
 

@@ -346,6 +346,22 @@ def test_column_names_are_unique_and_described():
     assert results.arrow_schema().names == names
 
 
+def test_a_points_top_ops_table_sits_beside_its_row_and_load_skips_it(tmp_path):
+    import pandas as pd
+
+    from harness.results import load_ops, write_ops
+
+    write_point(_row(point_id="p1"), tmp_path)
+    ops = pd.DataFrame(
+        {"op": ["aten::mm", "aten::add"], "category": ["gemm", "norm_elementwise"], "self_ms": [3.0, 1.0]}
+    )
+    path = write_ops("p1", ops, tmp_path)
+    assert path.name == "p1.ops.parquet"
+    assert len(load(tmp_path)) == 1
+    table = load_ops(tmp_path)
+    assert list(table["point_id"]) == ["p1", "p1"] and list(table["op"]) == ["aten::mm", "aten::add"]
+
+
 def test_readme_column_table_is_current():
     """README.md embeds `python -m harness.results columns` between the columns markers; regenerate it if this fails."""
     readme = README_PATH.read_text(encoding="utf-8") if README_PATH.exists() else ""
