@@ -13,7 +13,7 @@ TORCH_SPEC ?= $(if $(HAS_NVIDIA_GPU),,torch==2.13.0)
 # Extra Hydra overrides for `make run`, e.g. make run ARGS="gen_len=32"
 ARGS ?=
 
-.PHONY: help setup run test lint docs clean-results
+.PHONY: help setup run test lint docs ceilings clean-results
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-14s %s\n", $$1, $$2}'
@@ -45,3 +45,6 @@ clean-results: ## Delete user results (keeps results/reference/)
 docs: setup ## Regenerate the README's column table from harness/results.py
 	$(BIN)/python -c "import re, pathlib; from harness.results import columns_markdown as c; p = pathlib.Path('README.md'); \
 	p.write_text(re.sub(r'<!-- columns:start -->.*?<!-- columns:end -->', lambda m: '<!-- columns:start -->\n' + c() + '<!-- columns:end -->', p.read_text(), flags=re.S))"
+
+ceilings: setup ## Measure (once per device) the bandwidth and matmul peaks the roofline columns use
+	$(BIN)/python -m experiments.ceilings

@@ -43,7 +43,10 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     directory = output_dir()
     row = runner.run_point(run_cfg) | {"sweep_id": directory.name}
+    top_ops = row.pop("top_ops", None)  # the profiler's table: a second parquet keyed by point_id
     path = results.write_point(row, directory)
+    if top_ops is not None:
+        results.write_ops(row["point_id"], top_ops, directory)
     log.info("%s %s -> %s", row["status"], row.get("error") or "", path)
     if HydraConfig.get().mode.name != "MULTIRUN":
         print(results.format_summary(results.load(path)))

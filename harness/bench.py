@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from harness import accuracy, fragmentation, kv
+from harness import accuracy, ceilings, fragmentation, kv, profile, roofline
 from harness.config import DTYPES, RunConfig
 from harness.decode import generate
 from harness.kv.base import CacheSpec
@@ -104,6 +104,14 @@ def run_point(cfg: RunConfig) -> dict:
     )
     row |= probe.columns()  # read before the accuracy pass, whose reference cache is not part of the point
     row |= probe.validity_columns()
+    if cfg.roofline:
+        row |= roofline_columns(cfg, args=args, tpot_ms=row["tpot_ms"])
+    if cfg.profile and cfg.gen_len > 2:  # a separate pass: the timing above stays clean
+        trace = Path(cfg.results_dir) / "traces" / f"{row['point_id']}.json" if cfg.profile_trace else None
+        prof_columns, top_ops = profile.profile_decode(
+            model, cache, prompt, n_steps=min(cfg.profile_steps, cfg.gen_len - 2), device=device, trace_path=trace
+        )
+        row |= prof_columns | {"top_ops": top_ops}
     if (cfg.accuracy and is_lossy(cfg)) or cfg.eval_text:
         row |= accuracy_columns(cfg, model=model, cache=cache, spec=spec, prompt=prompt)
     row["weights_bytes"] = weights_bytes(model)
@@ -113,6 +121,29 @@ def run_point(cfg: RunConfig) -> dict:
     row["output_digest"] = digest(outputs[-1])
     row["status"] = "ok"
     return row
+
+
+def roofline_columns(cfg: RunConfig, *, args, tpot_ms: float | None) -> dict:
+    """The analytic step model of this point beside this device's measured ceilings (null peaks if not measured)."""
+    stored = ceilings.read_stored(ceilings.ceilings_path(cfg.torch_device(), cfg.ceilings_dir or cfg.results_dir))
+    peaks = ceilings.row_columns(stored, cfg.dtype) if stored else {}
+    options = kv.parse_options(cfg.cache["name"], cfg.cache_options)
+    return roofline.roofline_columns(
+        args,
+        batch_size=cfg.batch_size,
+        prompt_len=cfg.prompt_len,
+        gen_len=cfg.gen_len,
+        dtype=cfg.dtype,
+        kv_dtype=cfg.kv_dtype_name,
+        cache=cfg.cache["name"],
+        window=getattr(options, "window", None),
+        prefix_len=cfg.prefix_len,
+        kv_group_size=cfg.kv_group_size,
+        block_size=getattr(options, "block_size", 16),
+        tpot_ms=tpot_ms,
+        peak_bw_gbps=peaks.get("peak_bw_gbps"),
+        peak_tflops=peaks.get("peak_tflops"),
+    ) | {"ceilings_fingerprint": peaks.get("ceilings_fingerprint")}
 
 
 def make_prompts(cfg: RunConfig, *, vocab_size: int) -> torch.Tensor:

@@ -64,6 +64,12 @@ class RunConfig:
     target_rse: float = 0.02  # stop repeating once the median TPOT's relative standard error is below this
     accuracy: bool = True  # lossy points (quantized KV, sliding past its window): teacher-forced error vs exact
     eval_text: str | None = None  # a local text file: perplexity with and without the lossy cache (real weights)
+    roofline: bool = True  # analytic FLOPs/bytes beside the measured ceilings of this device (harness/roofline.py)
+    ceilings_dir: str | None = None  # where measured ceilings are stored and reused; null: results_dir
+    ceilings_quick: bool = False  # a quick, rough ceilings measurement (tests); a full one replaces it when asked
+    profile: bool = True  # a separate torch.profiler pass over a few decode steps: where the time goes
+    profile_steps: int = 4
+    profile_trace: bool = False  # also export a Chrome trace next to the row
     max_memory_gb: float | None = None  # cap on the measuring process: RLIMIT on CPU, memory fraction on CUDA
     results_dir: str = "results"
     seed: int = 0
@@ -89,6 +95,8 @@ class RunConfig:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.gen_len < 2:
             raise ConfigError(f"gen_len: must be at least 2 (TPOT excludes the first token), got {self.gen_len}")
+        if self.profile_steps <= 0:
+            raise ConfigError(f"profile_steps: must be positive, got {self.profile_steps}")
         if self.warmup < 0:
             raise ConfigError(f"warmup: must be 0 or more, got {self.warmup}")
         if self.max_repeats < self.min_repeats:
@@ -170,7 +178,7 @@ class RunConfig:
     def point_id(self) -> str:
         """A stable hash of what is measured: resolved device and dtypes included, output location excluded."""
         measured = dataclasses.asdict(self)
-        for key in ("results_dir", "isolate"):
+        for key in ("results_dir", "isolate", "ceilings_dir", "profile_trace"):
             measured.pop(key)
         measured.update(device=self.torch_device().type, kv_dtype=self.kv_dtype_name)
         blob = json.dumps(measured, sort_keys=True, default=str)

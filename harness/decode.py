@@ -7,6 +7,7 @@ it feeds the whole sequence so far, which is what the cache saves.
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
 from harness.kv.base import KVCache
 from harness.timing import Sample, StepTimer
@@ -30,12 +31,16 @@ def decode_logits(model: torch.nn.Module, cache: KVCache, tokens: torch.Tensor, 
 
 def prefill(model: torch.nn.Module, cache: KVCache, prompt: torch.Tensor) -> torch.Tensor:
     """prompt [B, P] -> the first generated token [B]."""
-    return prefill_logits(model, cache, prompt).argmax(dim=-1)
+    logits = prefill_logits(model, cache, prompt)
+    with record_function("kvbench::sampling"):  # harness.profile: what runs inside is sampling time
+        return logits.argmax(dim=-1)
 
 
 def decode_step(model: torch.nn.Module, cache: KVCache, tokens: torch.Tensor, pos: int) -> torch.Tensor:
     """tokens [B, S] holds the sequences so far; the newest token sits at `pos`. Returns the next token [B]."""
-    return decode_logits(model, cache, tokens, pos).argmax(dim=-1)
+    logits = decode_logits(model, cache, tokens, pos)
+    with record_function("kvbench::sampling"):
+        return logits.argmax(dim=-1)
 
 
 @torch.inference_mode()

@@ -18,7 +18,7 @@ import traceback
 
 import torch
 
-from harness import bench
+from harness import bench, ceilings
 from harness.config import RunConfig
 from harness.kv.base import Unsupported
 
@@ -27,8 +27,31 @@ log = logging.getLogger(__name__)
 _OOM_MESSAGES = ("out of memory", "can't allocate memory", "cannot allocate memory")
 
 
+def ensure_ceilings(cfg: RunConfig) -> None:
+    """Measure this device's ceilings once (then they are reused), in a process of their own: their large copy
+    buffers must not count in any point's memory."""
+    if not cfg.roofline or cfg.lengths == "mixed":
+        return
+    directory = cfg.ceilings_dir or cfg.results_dir
+    device = cfg.torch_device()
+    stored = ceilings.read_stored(ceilings.ceilings_path(device, directory))
+    if stored is not None and (cfg.ceilings_quick or not stored.quick):
+        return
+    if not cfg.isolate:
+        ceilings.load_or_measure(device, directory, quick=cfg.ceilings_quick)
+        return
+    child = mp.get_context("spawn").Process(
+        target=ceilings.load_or_measure, args=(device.type, directory, cfg.ceilings_quick), daemon=True
+    )
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        log.warning("measuring the ceilings failed (exit code %s): roofline columns will lack peaks", child.exitcode)
+
+
 def run_point(cfg: RunConfig) -> dict:
     """The row for one point: measured in a spawned child when cfg.isolate, else in this process."""
+    ensure_ceilings(cfg)
     if not cfg.isolate:
         if cfg.max_memory_gb is not None:
             log.warning("max_memory_gb is applied only to isolated points; isolate=false ignores it")

@@ -11,7 +11,18 @@ FAST = dict(warmup=0, min_repeats=1, max_repeats=1, isolate=False)
 
 def test_every_key_of_a_row_is_a_column_of_the_contract():
     row = run_point(RunConfig(model={"name": "tiny"}, device="cpu", prompt_len=8, gen_len=4, **FAST))
+    top_ops = row.pop("top_ops")  # the profiler's table travels beside the row, to its own parquet
+    assert {"op", "category", "self_time_ms"} <= set(top_ops.columns)
     assert set(row) <= {column.name for column in COLUMNS}
+
+
+def test_a_row_carries_the_roofline_and_the_profile():
+    row = run_point(RunConfig(model={"name": "small"}, device="cpu", dtype="fp32", prompt_len=32, gen_len=6, **FAST))
+    # every weight is read once per step, except the embedding table, of which only the batch's rows
+    assert row["flops_per_step"] > 0 and row["bytes_per_step"] > row["weights_bytes"] * 0.8
+    assert row["achieved_bw_gbps"] > 0 and row["bound"] is None  # no ceilings measured here: no verdict
+    shares = [row[f"prof_{c}_frac"] for c in ("attention", "gemm", "norm_elementwise", "kv", "sampling", "other")]
+    assert abs(sum(shares) - 1) < 1e-6 and row["prof_gemm_frac"] > 0.3
 
 
 def test_energy_and_clock_columns_are_null_on_the_cpu():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -13,7 +14,17 @@ import pytest
 from harness import results
 
 ROOT = Path(__file__).parents[1]
-TINY = ["model=tiny", "gen_len=6", "warmup=0", "min_repeats=2", "max_repeats=2"]
+# Quick ceilings, measured once for the whole session and reused by every sweep here.
+CEILINGS = Path(tempfile.gettempdir()) / "kvbench-test-ceilings"
+TINY = [
+    "model=tiny",
+    "gen_len=6",
+    "warmup=0",
+    "min_repeats=2",
+    "max_repeats=2",
+    "ceilings_quick=true",
+    f"ceilings_dir={CEILINGS}",
+]
 
 pytestmark = pytest.mark.slow
 
@@ -167,6 +178,8 @@ def test_killing_the_sweep_kills_its_measuring_child():
 def test_the_strategies_experiment_writes_a_row_for_every_combination(tmp_path):
     proc = kvbench(
         "experiment=strategies",
+        "ceilings_quick=true",
+        f"ceilings_dir={CEILINGS}",
         "prompt_len=144",
         "gen_len=4",
         "warmup=0",

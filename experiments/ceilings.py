@@ -1,0 +1,59 @@
+"""Measure this device's ceilings (or load them) and show them beside the published spec.
+
+    python -m experiments.ceilings                        # best device present (cuda, else cpu)
+    python -m experiments.ceilings device=cpu force=true  # measure again even if stored
+    python -m experiments.ceilings quick=true             # small sizes, few repeats: a smoke test
+
+The figures are stored as <results_dir>/ceilings/<fingerprint>.json (harness/ceilings.py) and reused by every later
+run on the same device, this app's and the decode rows' alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from harness import ceilings
+from harness.config import DEVICES, ConfigError
+
+log = logging.getLogger("kvbench")
+
+
+@dataclass
+class CeilingsConfig:
+    device: str = "auto"  # auto: cuda when available, else cpu
+    results_dir: str = "results"  # ceilings are stored as <results_dir>/ceilings/<fingerprint>.json
+    quick: bool = False  # small sizes, few repeats: for tests, not figures to quote
+    force: bool = False  # measure again even when this device's ceilings are stored
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ConfigError(f"device: unknown value {self.device!r}; allowed: {', '.join(DEVICES)}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device: cuda requested but no CUDA device is available; allowed here: auto, cpu")
+
+
+ConfigStore.instance().store(name="ceilings_config", node=CeilingsConfig)
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="ceilings")
+def main(cfg: DictConfig) -> None:
+    try:
+        config = CeilingsConfig(**OmegaConf.to_container(cfg, resolve=True))
+    except ConfigError as exc:
+        print(f"kvbench: bad config: {exc}", file=sys.stderr)
+        sys.exit(2)
+    device = ceilings.resolve_device(config.device)
+    measured = ceilings.load_or_measure(device, config.results_dir, quick=config.quick, force=config.force)
+    print(ceilings.format_table(measured, spec=ceilings.spec_for(measured.device_name)))
+    print(f"stored: {ceilings.ceilings_path(device, config.results_dir)}")
+
+
+if __name__ == "__main__":
+    main()

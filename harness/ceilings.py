@@ -1,0 +1,438 @@
+"""Measured device ceilings: peak memory bandwidth and matmul throughput per dtype, stored once per device.
+
+A roofline needs two ceilings, and here they are measured, not looked up (nanoGPT's bench.py hard-codes A100's
+312 TFLOP/s; that is the one thing not to copy from it). Bandwidth comes from a device-to-device copy several times
+the last-level cache; throughput from a square matmul on random data at a size that fills the device. Both follow
+bench.py's discipline: warm-up excluded, the device synchronized at both ends, the median of several repeats.
+
+The figures depend on the device and little else, so they are stored per device fingerprint as
+<results_dir>/ceilings/<fingerprint>.json and reused: `load_or_measure` measures only the first time. Published
+spec peaks (harness/spec_peaks.csv, one citation per row) sit beside them for comparison, never in their place.
+
+Units: GB = 1e9 bytes, TFLOP = 1e12 floating-point operations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import re
+import statistics
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import psutil
+import torch
+
+from harness.timing import StepTimer, median_rse
+
+log = logging.getLogger(__name__)
+
+# Bump when the method changes (sizes, counting, dtypes): it is part of the fingerprint, so stored ceilings measured
+# the old way are not reused.
+METHOD_VERSION = 1
+MATMUL_DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,  # torch._scaled_mm: CUDA compute capability >= 8.9 (Ada, Hopper and newer)
+}
+FP8_MIN_CAPABILITY = (8, 9)  # the first with FP8 tensor cores: Ada (sm_89), per the CUDA C Programming Guide
+# When the cache size cannot be read: 32 MiB is a common server L3 per socket (AMD EPYC CCD, many Xeons) and 50 MB
+# is H100's L2 (NVIDIA H100 Tensor Core GPU Architecture whitepaper); both only scale the copy buffer.
+FALLBACK_LLC_BYTES = 32 * 2**20
+FALLBACK_L2_BYTES = 50 * 2**20
+CPU_MATMUL_N_MIN = 256  # the CPU size search starts here and doubles
+SPEC_PEAKS_CSV = Path(__file__).with_name("spec_peaks.csv")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How hard to measure. FULL for figures to quote; QUICK for tests (small sizes, few repeats)."""
+
+    copy_cache_multiple: int  # the copy buffer is this many times the last-level cache, so it streams from memory
+    warmup: int  # untimed calls before the repeats (allocator, first touch, cuBLAS heuristics, clocks)
+    repeats: int  # timed calls; the figure is their median
+    cuda_matmul_n: int  # m = n = k on CUDA: 8192^3 keeps every SM busy on an H100/H200
+    cpu_matmul_n_max: int  # CPU: n doubles from CPU_MATMUL_N_MIN up to this ...
+    cpu_matmul_target_s: float  # ... while the next size's predicted time (8x: n^3) stays under this
+    cpu_dtype_budget_s: float  # CPU: fewer repeats (never under 3) when one product is slow (fp16 without AVX512-FP16)
+
+
+FULL = Plan(
+    copy_cache_multiple=8,
+    warmup=2,
+    repeats=10,
+    cuda_matmul_n=8192,
+    cpu_matmul_n_max=4096,
+    cpu_matmul_target_s=0.25,
+    cpu_dtype_budget_s=2.0,
+)
+QUICK = Plan(
+    copy_cache_multiple=4,
+    warmup=1,
+    repeats=3,
+    cuda_matmul_n=2048,
+    cpu_matmul_n_max=512,
+    cpu_matmul_target_s=0.02,
+    cpu_dtype_budget_s=0.2,
+)
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """What one device sustains, measured: the roofs of its roofline."""
+
+    fingerprint: str  # device_fingerprint(): the key these figures are stored and reused under
+    device: str  # "cpu" or "cuda"
+    device_name: str
+    n_threads: int | None  # CPU: torch.get_num_threads() while measuring; None on CUDA
+    n_sms: int | None  # CUDA: streaming multiprocessors; None on CPU
+    total_memory_bytes: int
+    peak_bw_gbps: float  # device-to-device copy, bytes read + written, GB = 1e9
+    peak_tflops: dict[str, float]  # dtype name -> dense matmul TFLOP/s (2*m*n*k, T = 1e12); unsupported dtypes absent
+    skipped: dict[str, str]  # dtype name -> why it was not measured on this device
+    median_rse: dict[str, float]  # "copy" and each dtype -> relative standard error of the median (the spread)
+    copy_bytes: int  # size of one copy buffer (each copy reads and writes this many)
+    matmul_n: dict[str, int]  # dtype name -> m = n = k used
+    repeats: dict[str, int]  # "copy" and each dtype -> timed repeats behind the median
+    quick: bool  # measured with the QUICK plan: fine for tests, not for quoting
+    fp32_matmul_precision: str  # torch.get_float32_matmul_precision(): "highest" = true fp32, else TF32 is allowed
+    measured_at: str  # ISO 8601, UTC
+    torch_version: str
+    method_version: int = METHOD_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Ceilings:
+        return cls(**json.loads(text))
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The torch device for a config value: auto is cuda when available, else cpu."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def device_name(device: torch.device) -> str:
+    """The marketing name: torch's for CUDA ("NVIDIA H200"), /proc/cpuinfo's model name for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def last_level_cache_bytes(device: torch.device) -> int:
+    """CUDA: the L2. CPU: the highest-level data or unified cache that sysfs lists for cpu0 (usually the L3)."""
+    if device.type == "cuda":
+        return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or FALLBACK_L2_BYTES
+    best_level, best_bytes = -1, 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            kind = (index / "type").read_text().strip()
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()  # e.g. "32768K"
+        except (OSError, ValueError):
+            continue
+        match = re.fullmatch(r"(\d+)([KMG]?)", size)
+        if kind in ("Data", "Unified") and match and level > best_level:
+            best_level = level
+            best_bytes = int(match.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[match.group(2)]
+    return best_bytes or FALLBACK_LLC_BYTES
+
+
+def device_identity(device: torch.device) -> dict:
+    """What determines the ceilings. Anything else (host name, clocks, load) is noise, not identity."""
+    torch_minor = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    identity = {"device": device.type, "name": device_name(device), "torch": torch_minor, "method": METHOD_VERSION}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return identity | {
+            "n_sms": props.multi_processor_count,
+            "total_memory_bytes": props.total_memory,
+            "cuda": torch.version.cuda,  # the cuBLAS that runs the matmuls comes with it
+        }
+    return identity | {
+        "n_cores": os.cpu_count(),
+        "n_threads": torch.get_num_threads(),
+        "total_memory_bytes": psutil.virtual_memory().total,
+    }
+
+
+def device_fingerprint(device: str | torch.device) -> str:
+    """A short stable hash of device_identity(), prefixed with the device type: e.g. "cpu-3f2a9c01b7de"."""
+    device = resolve_device(device)
+    blob = json.dumps(device_identity(device), sort_keys=True).encode()
+    return f"{device.type}-{hashlib.sha256(blob).hexdigest()[:12]}"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, *, warmup: int, repeats: int) -> tuple[float, float]:
+    """Median seconds of one fn() over `repeats` calls after `warmup` untimed ones, and that median's relative
+    standard error. On CUDA each call sits between two events and the host synchronizes only before the first
+    (warm-up done) and after the last; on the CPU, perf_counter around each call."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    timer = StepTimer(device, n_marks=repeats)
+    timer.start()
+    for _ in range(repeats):
+        fn()
+        timer.mark()
+    seconds = [ms / 1e3 for ms in timer.intervals_ms()]  # the closing synchronize happens here
+    return statistics.median(seconds), median_rse(seconds)
+
+
+def copy_bytes_for(device: torch.device, plan: Plan) -> int:
+    """Several times the last-level cache, so the copy streams from memory; at most a quarter of what is free."""
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+    else:
+        free_bytes = psutil.virtual_memory().available
+    return min(plan.copy_cache_multiple * last_level_cache_bytes(device), free_bytes // 4)
+
+
+def copy_bandwidth(device: torch.device, plan: Plan) -> tuple[float, float, int, int]:
+    """GB/s of a device-to-device copy, counting bytes read plus written (2 x size per copy, as STREAM's Copy
+    kernel counts them; McCalpin, STREAM benchmark). Returns (GB/s, median rse, buffer bytes, repeats)."""
+    n_bytes = copy_bytes_for(device, plan)
+    src = torch.empty(n_bytes, dtype=torch.uint8, device=device).fill_(1)  # touched: no page faults while timed
+    dst = torch.empty_like(src)
+    seconds, rse = median_seconds(lambda: dst.copy_(src), device, warmup=plan.warmup, repeats=plan.repeats)
+    return 2 * n_bytes / seconds / 1e9, rse, n_bytes, plan.repeats
+
+
+def unsupported_reason(device: torch.device, dtype_name: str) -> str | None:
+    """Why this device cannot run a dense matmul in this dtype, or None when it can."""
+    if dtype_name == "fp8_e4m3":
+        if device.type != "cuda":
+            return "fp8 matmul (torch._scaled_mm) needs CUDA compute capability >= 8.9; not measured on cpu"
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_MIN_CAPABILITY:
+            return f"fp8 matmul needs compute capability >= 8.9; this device has {capability[0]}.{capability[1]}"
+    if dtype_name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return "bf16 matmul needs compute capability >= 8.0 (Ampere)"
+    return None
+
+
+def matmul_call(device: torch.device, dtype_name: str, n: int) -> Callable[[], torch.Tensor]:
+    """One n x n x n product on seeded random data, its output preallocated so that no allocation is timed."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn((n, n), generator=generator, device=device)  # [n, n] fp32, cast below
+    b = torch.randn((n, n), generator=generator, device=device)
+    if dtype_name == "fp8_e4m3":
+        a8 = a.to(torch.float8_e4m3fn)  # randn stays well inside e4m3's range (+-448)
+        b8 = b.to(torch.float8_e4m3fn).t()  # _scaled_mm wants the second operand column-major
+        scale = torch.ones((), device=device)  # per-tensor fp32 scales
+        out = torch.empty((n, n), dtype=torch.bfloat16, device=device)
+        # Fast accumulation, as torchao's float8 forward GEMM uses: the path inference takes.
+        return lambda: torch._scaled_mm(
+            a8, b8, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16, use_fast_accum=True, out=out
+        )
+    dtype = MATMUL_DTYPES[dtype_name]
+    a, b = a.to(dtype), b.to(dtype)
+    out = torch.empty((n, n), dtype=dtype, device=device)
+    return lambda: torch.mm(a, b, out=out)
+
+
+def one_call_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """One untimed call, then one timed: a probe for the CPU size search, not a figure."""
+    fn()
+    synchronize(device)
+    timer = StepTimer(device, n_marks=1)
+    timer.start()
+    fn()
+    timer.mark()
+    return timer.intervals_ms()[0] / 1e3
+
+
+def matmul_throughput(device: torch.device, dtype_name: str, plan: Plan) -> tuple[float, float, int, int]:
+    """TFLOP/s of a square matmul at a size that fills the device. Returns (TFLOP/s, median rse, n, repeats).
+
+    CUDA: plan.cuda_matmul_n. CPU: n doubles while the next size is predicted to stay under the plan's target, so a
+    dtype without native support (fp16 on most x86) settles on a small n instead of taking a minute per product.
+    """
+    repeats = plan.repeats
+    if device.type == "cuda":
+        n = plan.cuda_matmul_n
+        fn = matmul_call(device, dtype_name, n)
+    else:
+        n = CPU_MATMUL_N_MIN
+        fn = matmul_call(device, dtype_name, n)
+        seconds = one_call_seconds(fn, device)
+        while n < plan.cpu_matmul_n_max and 8 * seconds <= plan.cpu_matmul_target_s:  # 2n: 8x the FLOPs
+            n *= 2
+            fn = matmul_call(device, dtype_name, n)
+            seconds = one_call_seconds(fn, device)
+        repeats = min(plan.repeats, max(3, int(plan.cpu_dtype_budget_s / max(seconds, 1e-9))))
+    seconds, rse = median_seconds(fn, device, warmup=plan.warmup, repeats=repeats)
+    return 2 * n**3 / seconds / 1e12, rse, n, repeats
+
+
+def measure(device: str | torch.device, *, quick: bool = False) -> Ceilings:
+    """Measure this device's ceilings now (a few seconds on a CPU, about as long on a GPU)."""
+    device = resolve_device(device)
+    plan = QUICK if quick else FULL
+    identity = device_identity(device)
+    bw_gbps, copy_rse, copy_bytes, copy_repeats = copy_bandwidth(device, plan)
+    peak_tflops: dict[str, float] = {}
+    skipped: dict[str, str] = {}
+    rse: dict[str, float] = {"copy": copy_rse}
+    matmul_n: dict[str, int] = {}
+    repeats: dict[str, int] = {"copy": copy_repeats}
+    for dtype_name in MATMUL_DTYPES:
+        reason = unsupported_reason(device, dtype_name)
+        if reason is not None:
+            skipped[dtype_name] = reason
+            continue
+        try:
+            tflops, rse[dtype_name], matmul_n[dtype_name], repeats[dtype_name] = matmul_throughput(
+                device, dtype_name, plan
+            )
+        except (RuntimeError, NotImplementedError) as exc:  # a build or driver without this kernel: record why
+            skipped[dtype_name] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            continue
+        peak_tflops[dtype_name] = tflops
+    log.info("ceilings measured on %s: %.1f GB/s, %s TFLOP/s", identity["name"], bw_gbps, peak_tflops)
+    return Ceilings(
+        fingerprint=device_fingerprint(device),
+        device=device.type,
+        device_name=identity["name"],
+        n_threads=identity.get("n_threads"),
+        n_sms=identity.get("n_sms"),
+        total_memory_bytes=identity["total_memory_bytes"],
+        peak_bw_gbps=bw_gbps,
+        peak_tflops=peak_tflops,
+        skipped=skipped,
+        median_rse=rse,
+        copy_bytes=copy_bytes,
+        matmul_n=matmul_n,
+        repeats=repeats,
+        quick=quick,
+        fp32_matmul_precision=torch.get_float32_matmul_precision(),
+        measured_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        torch_version=torch.__version__,
+    )
+
+
+def ceilings_path(device: str | torch.device, results_dir: str | Path) -> Path:
+    return Path(results_dir) / "ceilings" / f"{device_fingerprint(device)}.json"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Temp file in the same folder, then os.replace: a reader sees the old file or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
+        tmp.write(text)
+    os.replace(tmp.name, path)
+
+
+def read_stored(path: Path) -> Ceilings | None:
+    """The stored ceilings at `path`, or None when there are none or they cannot be read (then: measure again)."""
+    if not path.exists():
+        return None
+    try:
+        return Ceilings.from_json(path.read_text())
+    except (OSError, ValueError, TypeError) as exc:
+        log.warning("ceilings: cannot read %s (%s); measuring again", path, exc)
+        return None
+
+
+def load_or_measure(
+    device: str | torch.device, results_dir: str | Path, quick: bool = False, *, force: bool = False
+) -> Ceilings:
+    """This device's stored ceilings, measured and stored first if there are none for its fingerprint.
+
+    A quick measurement never stands in for a full one: asking for full figures replaces stored quick ones.
+    `force` measures again regardless.
+    """
+    device = resolve_device(device)
+    path = ceilings_path(device, results_dir)
+    stored = None if force else read_stored(path)
+    if stored is not None and (quick or not stored.quick):
+        log.info("ceilings: reusing %s (measured %s)", path, stored.measured_at)
+        return stored
+    ceilings = measure(device, quick=quick)
+    write_atomic(path, ceilings.to_json())
+    log.info("ceilings: stored %s", path)
+    return ceilings
+
+
+def spec_peaks() -> pd.DataFrame:
+    """Published dense peaks, one row per (device, dtype), each with its source (harness/spec_peaks.csv)."""
+    return pd.read_csv(SPEC_PEAKS_CSV, comment="#", skipinitialspace=True)
+
+
+def spec_for(name: str) -> pd.DataFrame | None:
+    """The spec rows of the device whose name_pattern (a case-insensitive regex) matches `name`, or None.
+
+    "NVIDIA H200" and "H200 SXM" find the H200 SXM rows; "NVIDIA H200 NVL" does not (different clocks and power).
+    """
+    peaks = spec_peaks()
+    for device_row in peaks.drop_duplicates("device_name").itertuples():
+        if re.search(device_row.name_pattern, name, flags=re.IGNORECASE):
+            return peaks[peaks["device_name"] == device_row.device_name].reset_index(drop=True)
+    return None
+
+
+def format_table(ceilings: Ceilings, spec: pd.DataFrame | None = None) -> str:
+    """Measured ceilings, beside the published spec and their ratio when a spec row matches."""
+
+    def spec_value(dtype_name: str | None) -> float | None:
+        if spec is None:
+            return None
+        if dtype_name is None:  # bandwidth: the same on every row of the device
+            return float(spec["peak_bw_gbps"].iloc[0])
+        tflops = spec.loc[spec["dtype"] == dtype_name, "peak_tflops_dense"]
+        return None if tflops.empty or pd.isna(tflops.iloc[0]) else float(tflops.iloc[0])
+
+    def line(label: str, measured: float, published: float | None) -> str:
+        if published is None or not math.isfinite(measured):
+            return f"{label:<28}{measured:>12.4g}{'-':>12}{'-':>8}"
+        return f"{label:<28}{measured:>12.4g}{published:>12.4g}{measured / published:>8.2f}"
+
+    threads = f"{ceilings.n_threads} threads" if ceilings.device == "cpu" else f"{ceilings.n_sms} SMs"
+    lines = [
+        f"{ceilings.device_name} ({ceilings.device}, {threads}), fingerprint {ceilings.fingerprint}, "
+        f"measured {ceilings.measured_at}{' (quick)' if ceilings.quick else ''}",
+        f"{'ceiling':<28}{'measured':>12}{'spec':>12}{'ratio':>8}",
+        line("memory bandwidth GB/s", ceilings.peak_bw_gbps, spec_value(None)),
+    ]
+    for dtype_name, tflops in ceilings.peak_tflops.items():
+        lines.append(line(f"matmul {dtype_name} TFLOP/s", tflops, spec_value(dtype_name)))
+    for dtype_name, reason in ceilings.skipped.items():
+        lines.append(f"{f'matmul {dtype_name} TFLOP/s':<28}{'skipped':>12}  {reason}")
+    if spec is not None:
+        lines.append(f"spec: {spec['device_name'].iloc[0]}, dense peaks (harness/spec_peaks.csv)")
+    return "\n".join(lines)
+
+
+def row_columns(ceilings: Ceilings, dtype_name: str) -> dict:
+    """The ceilings columns of a decode row whose compute dtype is `dtype_name` (None where it was not measured)."""
+    return {
+        "ceilings_fingerprint": ceilings.fingerprint,
+        "peak_bw_gbps": ceilings.peak_bw_gbps,
+        "peak_tflops": ceilings.peak_tflops.get(dtype_name),
+    }
