@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from harness.bench import run_point
 from harness.config import RunConfig
 from harness.results import COLUMNS
+from harness.runner import ensure_ceilings
 
 FAST = dict(warmup=0, min_repeats=1, max_repeats=1, isolate=False)
 
@@ -16,13 +19,21 @@ def test_every_key_of_a_row_is_a_column_of_the_contract():
     assert set(row) <= {column.name for column in COLUMNS}
 
 
-def test_a_row_carries_the_roofline_and_the_profile():
-    row = run_point(RunConfig(model={"name": "small"}, device="cpu", dtype="fp32", prompt_len=32, gen_len=6, **FAST))
+def test_a_row_carries_the_roofline_and_the_profile(tmp_path):
+    cfg = RunConfig(
+        model={"name": "small"}, device="cpu", dtype="fp32", prompt_len=32, gen_len=6, results_dir=str(tmp_path), **FAST
+    )
+    row = run_point(cfg)
     # every weight is read once per step, except the embedding table, of which only the batch's rows
     assert row["flops_per_step"] > 0 and row["bytes_per_step"] > row["weights_bytes"] * 0.8
-    assert row["achieved_bw_gbps"] > 0 and row["bound"] is None  # no ceilings measured here: no verdict
+    assert row["achieved_bw_gbps"] > 0 and row["bound"] is None  # no ceilings measured yet: no verdict
     shares = [row[f"prof_{c}_frac"] for c in ("attention", "gemm", "norm_elementwise", "kv", "sampling", "other")]
     assert abs(sum(shares) - 1) < 1e-6 and row["prof_gemm_frac"] > 0.3
+
+    ensure_ceilings(dataclasses.replace(cfg, ceilings_quick=True))
+    row = run_point(cfg)
+    assert row["bound"] in {"memory", "compute"} and row["peak_bw_gbps"] > 0 and row["ceilings_fingerprint"]
+    assert row["bw_util"] > 0 and row["predicted_tpot_ms"] > 0
 
 
 def test_energy_and_clock_columns_are_null_on_the_cpu():
