@@ -178,6 +178,7 @@ def test_killing_the_sweep_kills_its_measuring_child():
 def test_the_strategies_experiment_writes_a_row_for_every_combination(tmp_path):
     proc = kvbench(
         "experiment=strategies",
+        "profile=false",  # rows and their accuracy are the point here; the profiler has tests of its own
         "ceilings_quick=true",
         f"ceilings_dir={CEILINGS}",
         "prompt_len=144",
