@@ -176,8 +176,11 @@ def test_killing_the_sweep_kills_its_measuring_child():
 
 
 def test_the_strategies_experiment_writes_a_row_for_every_combination(tmp_path):
+    # Every strategy against three formats (the exact one, 8-bit and int4), to keep the suite's time down; the
+    # full 6 x 6 sweep is results/reference/cpu-strategies/.
     proc = kvbench(
         "experiment=strategies",
+        "hydra.sweeper.params.kv_dtype='auto,int8,int4'",
         "profile=false",  # rows and their accuracy are the point here; the profiler has tests of its own
         "ceilings_quick=true",
         f"ceilings_dir={CEILINGS}",
@@ -191,21 +194,18 @@ def test_the_strategies_experiment_writes_a_row_for_every_combination(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     table = results.load(tmp_path)
-    assert len(table) == 6 * 6  # every strategy x every kv_dtype: no missing rows
-    assert set(table["status"]) <= {"ok", "unsupported"}, table.loc[
-        table["status"] != "ok", ["cache", "kv_dtype", "error"]
-    ]
+    assert len(table) == 6 * 3  # every strategy x every kv_dtype asked for: no missing rows
+    assert set(table["status"]) <= {"ok", "unsupported"}, table.loc[table["status"] != "ok", ["cache", "error"]]
     unsupported = table[table["status"] == "unsupported"]
     assert unsupported["error"].str.len().gt(10).all()  # each says why
     assert set(unsupported.loc[unsupported["cache"] == "offload", "kv_dtype"]) == set(table["kv_dtype"])  # no CUDA
     ok = table[table["status"] == "ok"].set_index(["cache", "kv_dtype"])
     exact = ok.xs("fp32", level="kv_dtype")["output_digest"]
     assert exact["none"] == exact["contiguous"] == exact["paged"] == exact["prefix"]
-    for kv_dtype in ("fp8_e4m3", "int8", "int4"):  # the same storage math, whatever the layout
+    for kv_dtype in ("int8", "int4"):  # the same storage math, whatever the layout
         assert ok.loc[("contiguous", kv_dtype), "output_digest"] == ok.loc[("paged", kv_dtype), "output_digest"]
-        assert ok.loc[("contiguous", kv_dtype), "top1_agreement"] > 0
     lossy = ok[ok.index.get_level_values("kv_dtype") != "fp32"]
     assert lossy[["logit_max_abs_err", "kl_mean", "top1_agreement"]].notna().all().all()
     assert ok.loc[("sliding", "fp32"), "top1_agreement"] > 0  # past its window: lossy, so measured
-    ratio = ok.loc[("contiguous", "int8"), "kv_bytes_allocated"] / ok.loc[("contiguous", "bf16"), "kv_bytes_allocated"]
-    assert 0.5 <= ratio < 0.55
+    ratio = ok.loc[("contiguous", "int8"), "kv_bytes_allocated"] / ok.loc[("contiguous", "fp32"), "kv_bytes_allocated"]
+    assert 0.25 <= ratio < 0.28  # a quarter of fp32 (half of bf16), plus 3% scales
