@@ -6,7 +6,6 @@ import dataclasses
 import datetime as dt
 import hashlib
 import logging
-import platform
 import socket
 import statistics
 import subprocess
@@ -237,7 +236,7 @@ def environment_columns(device: torch.device) -> dict:
     return {
         "git_sha": git_sha(),
         "host": socket.gethostname(),
-        "device_name": device_name(device),
+        "device_name": ceilings.device_name(device),
         "torch_version": torch.__version__,
         "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "schema_version": SCHEMA_VERSION,
@@ -254,14 +253,3 @@ def git_sha() -> str | None:
     if out.returncode != 0:  # not a git checkout (an installed copy, a tarball)
         return None
     return out.stdout.strip() or None
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
