@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from harness import kv
-from harness.config import DTYPES, KV_DTYPES, KV_GROUP_SIZES, ConfigError
+from harness.config import DTYPES, KV_DTYPES, ConfigError, check_kv_layout
 from harness.kv.base import blocks_for
 from harness.kv.quant import BITS, PLAIN, QUANTIZED
 from harness.model import PRESETS, SUPPORTED_MODEL_TYPES, ModelArgs
@@ -153,16 +153,12 @@ class Workload:
         for name in ("prompt_len", "gen_len", "concurrency"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
-        if self.kv_group_size not in KV_GROUP_SIZES:
-            raise ConfigError(
-                f"kv_group_size: must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {self.kv_group_size}"
-            )
-        if self.kv_residual < 0:
-            raise ConfigError(f"kv_residual: must be 0 or more tokens, got {self.kv_residual}")
-        if not 0 <= self.prefix_len < self.prompt_len:
-            raise ConfigError(
-                f"prefix_len: must be in 0..prompt_len-1, got {self.prefix_len} with prompt_len={self.prompt_len}"
-            )
+        check_kv_layout(
+            kv_group_size=self.kv_group_size,
+            kv_residual=self.kv_residual,
+            prefix_len=self.prefix_len,
+            prompt_len=self.prompt_len,
+        )
         try:
             kv.parse_options(self.cache, self.options)  # the strategy's own one-line checks (cache.block_size, ...)
         except ValueError as exc:

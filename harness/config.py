@@ -108,17 +108,12 @@ class RunConfig:
         _check_choice("lengths", self.lengths, LENGTHS)
         if not 0 < self.min_len_frac <= 1:
             raise ConfigError(f"min_len_frac: must be in (0, 1], got {self.min_len_frac}")
-        if self.kv_group_size not in KV_GROUP_SIZES:
-            raise ConfigError(
-                f"kv_group_size: must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {self.kv_group_size}"
-            )
-        if self.kv_residual < 0:
-            raise ConfigError(f"kv_residual: must be 0 or more tokens, got {self.kv_residual}")
-        if not 0 <= self.prefix_len < self.prompt_len:
-            raise ConfigError(
-                f"prefix_len: must be in 0..prompt_len-1 (each sequence keeps a suffix of its own), got {self.prefix_len} "
-                f"with prompt_len={self.prompt_len}"
-            )
+        check_kv_layout(
+            kv_group_size=self.kv_group_size,
+            kv_residual=self.kv_residual,
+            prefix_len=self.prefix_len,
+            prompt_len=self.prompt_len,
+        )
         if self.eval_text is not None and not Path(self.eval_text).is_file():
             raise ConfigError(f"eval_text: {self.eval_text!r} is not a file; allowed: a local text file, or null")
         if self.eval_text is not None and self.weights == "dummy":
@@ -188,6 +183,19 @@ class RunConfig:
 def _check_choice(name: str, value: str, allowed) -> None:
     if value not in allowed:
         raise ConfigError(f"{name}: unknown value {value!r}; allowed: {', '.join(allowed)}")
+
+
+def check_kv_layout(*, kv_group_size: int, kv_residual: int, prefix_len: int, prompt_len: int) -> None:
+    """The KV-storage fields both the decode runs and the capacity planner take."""
+    if kv_group_size not in KV_GROUP_SIZES:
+        raise ConfigError(f"kv_group_size: must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {kv_group_size}")
+    if kv_residual < 0:
+        raise ConfigError(f"kv_residual: must be 0 or more tokens, got {kv_residual}")
+    if not 0 <= prefix_len < prompt_len:
+        raise ConfigError(
+            f"prefix_len: must be in 0..prompt_len-1 (each sequence keeps a suffix of its own), got {prefix_len} "
+            f"with prompt_len={prompt_len}"
+        )
 
 
 def check_storable(field_name: str, dtype_name: str, device: torch.device, capability: tuple[int, int] | None) -> None:
