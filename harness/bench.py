@@ -104,7 +104,7 @@ def run_point(cfg: RunConfig) -> dict:
     row |= probe.columns()  # read before the accuracy pass, whose reference cache is not part of the point
     row |= probe.validity_columns()
     if cfg.roofline:
-        row |= roofline_columns(cfg, args=args, tpot_ms=row["tpot_ms"])
+        row |= roofline_columns(cfg, args=args, tpot_ms=row["tpot_ms"], ttft_ms=row["ttft_ms"])
     if cfg.profile and cfg.gen_len > 2:  # a separate pass: the timing above stays clean
         trace = Path(cfg.results_dir) / "traces" / f"{row['point_id']}.json" if cfg.profile_trace else None
         prof_columns, top_ops = profile.profile_decode(
@@ -122,7 +122,7 @@ def run_point(cfg: RunConfig) -> dict:
     return row
 
 
-def roofline_columns(cfg: RunConfig, *, args, tpot_ms: float | None) -> dict:
+def roofline_columns(cfg: RunConfig, *, args, tpot_ms: float | None, ttft_ms: float | None = None) -> dict:
     """The analytic step model of this point beside this device's measured ceilings (null peaks if not measured)."""
     stored = ceilings.read_stored(ceilings.ceilings_path(cfg.torch_device(), cfg.ceilings_dir or cfg.results_dir))
     peaks = ceilings.row_columns(stored, cfg.dtype) if stored else {}
@@ -140,6 +140,7 @@ def roofline_columns(cfg: RunConfig, *, args, tpot_ms: float | None) -> dict:
         kv_group_size=cfg.kv_group_size,
         block_size=getattr(options, "block_size", 16),
         tpot_ms=tpot_ms,
+        ttft_ms=ttft_ms,
         peak_bw_gbps=peaks.get("peak_bw_gbps"),
         peak_tflops=peaks.get("peak_tflops"),
     ) | {"ceilings_fingerprint": peaks.get("ceilings_fingerprint")}

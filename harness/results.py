@@ -197,8 +197,15 @@ COLUMNS: tuple[Column, ...] = (
     ),
     Column("arithmetic_intensity", "float64", "FLOP/byte", "flops_per_step / bytes_per_step (decode)"),
     Column("prefill_arithmetic_intensity", "float64", "FLOP/byte", "Analytic FLOPs / bytes of the prefill"),
+    Column("prefill_flops", "float64", "FLOP", "Analytic FLOPs of the prefill of the whole batch"),
     Column("achieved_bw_gbps", "float64", "GB/s", "bytes_per_step / tpot: the bandwidth the measured decode implies"),
     Column("achieved_tflops", "float64", "TFLOP/s", "flops_per_step / tpot"),
+    Column(
+        "prefill_achieved_tflops",
+        "float64",
+        "TFLOP/s",
+        "prefill_flops / ttft_ms (TTFT also holds the first token's sampling, so this slightly understates it)",
+    ),
     Column("bw_util", "float64", "", "achieved_bw_gbps / peak_bw_gbps (over 1 means a bug)"),
     Column("flops_util", "float64", "", "achieved_tflops / peak_tflops"),
     Column(
@@ -330,6 +337,8 @@ def write_point(row: dict, directory: str | Path) -> Path:
     return path
 
 
+FRONTIER_PREFIX = "frontier-"  # capacity OOM-frontier tables: <results_dir>/capacity/frontier-<time>.parquet
+_IDENTITY_COLUMNS = ("point_id", "status")  # a parquet file without them is not a result row
 OPS_SUFFIX = ".ops.parquet"  # a point's profiler top-ops table, beside its row: <point_id>.ops.parquet
 
 
@@ -390,18 +399,31 @@ def _fsync_directory(directory: Path) -> None:
 # ----------------------------------------------------------------------------------------------------------- load
 
 
-def load(path: str | Path) -> pd.DataFrame:
+def load(path: str | Path, *, skipped: list[str] | None = None) -> pd.DataFrame:
     """Every row under `path` (a directory, searched recursively, or one .parquet file) as one DataFrame.
 
     Columns come in COLUMNS order, then any columns unknown to this schema (written by a newer one). Integer and
     bool columns use pandas' nullable dtypes (Int64, boolean) so nulls do not turn them into floats; itl_ms cells
     are lists of floats (or None).
+
+    A file in a directory that is not a result table (truncated, garbage, a foreign parquet without point_id and
+    status, a column of the wrong type) is skipped with a warning naming it, so one bad file never hides the rest;
+    "<path>: <reason>" is appended to `skipped` when a list is given. A single file given as `path` raises instead.
     """
-    return _table_to_frame(_load_table(Path(path)))
+    return _table_to_frame(_load_table(Path(path), skipped=skipped))
 
 
-def _load_table(path: Path) -> pa.Table:
-    tables = [_conform(table=_read_parquet(file), source=file) for file in _parquet_files(path)]
+def _load_table(path: Path, *, skipped: list[str] | None = None) -> pa.Table:
+    tables = []
+    for file in _parquet_files(path):
+        try:
+            tables.append(_conform(table=_read_parquet(file), source=file))
+        except ValueError as exc:
+            if path.is_file():
+                raise
+            logger.warning("skipped %s", exc)
+            if skipped is not None:
+                skipped.append(str(exc))
     if not tables:
         return arrow_schema().empty_table()
     merged = pa.concat_tables(tables, promote_options="permissive")
@@ -426,15 +448,20 @@ def _parquet_files(path: Path) -> list[Path]:
         for file in path.rglob("*.parquet")
         if file.is_file()
         and not file.name.endswith(OPS_SUFFIX)  # profiler tables: load_ops()
+        and not file.name.startswith(FRONTIER_PREFIX)  # capacity frontier tables: experiments/capacity.py
         and not any(part.startswith(".") for part in file.relative_to(path).parts)
     )
 
 
 def _read_parquet(path: Path) -> pa.Table:
     try:
-        return pq.read_table(path)
-    except pa.ArrowInvalid as exc:  # pyarrow's message does not say which file
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as exc:  # pyarrow's message does not say which file
         raise ValueError(f"{path}: not a readable parquet file: {exc}") from None
+    missing = [name for name in _IDENTITY_COLUMNS if name not in table.column_names]
+    if missing:
+        raise ValueError(f"{path}: not a kvbench result table (no {', '.join(missing)} column)")
+    return table
 
 
 def _conform(table: pa.Table, source: Path) -> pa.Table:

@@ -496,6 +496,7 @@ def roofline_columns(
     kv_group_size: int = 32,
     block_size: int = 16,
     tpot_ms: float | None = None,
+    ttft_ms: float | None = None,
     peak_bw_gbps: float | None = None,
     peak_tflops: float | None = None,
 ) -> dict[str, float | int | str | None]:
@@ -506,6 +507,8 @@ def roofline_columns(
         flops_per_step, bytes_per_step     one decode step of the whole batch
         arithmetic_intensity               flops_per_step / bytes_per_step, FLOPs per byte
         prefill_arithmetic_intensity       the same for the prefill
+        prefill_flops                      FLOPs of the prefill of the whole batch
+        prefill_achieved_tflops            prefill_flops / ttft (TTFT also holds the first token's sampling)
         achieved_bw_gbps, achieved_tflops  bytes_per_step / tpot, flops_per_step / tpot
         bw_util, flops_util                achieved / peak
         bound                              "compute" if arithmetic_intensity >= the ridge point, else "memory"
@@ -531,6 +534,8 @@ def roofline_columns(
         "bytes_per_step": decode.bytes,
         "arithmetic_intensity": decode.arithmetic_intensity,
         "prefill_arithmetic_intensity": prefill.arithmetic_intensity,
+        "prefill_flops": prefill.flops,
+        "prefill_achieved_tflops": prefill.flops / (ttft_ms * 1e-3) / 1e12 if _known(ttft_ms) else None,
         "peak_bw_gbps": peak_bw_gbps if _known(peak_bw_gbps) else None,
         "peak_tflops": peak_tflops if _known(peak_tflops) else None,
     }

@@ -183,11 +183,66 @@ def test_load_without_rows_gives_an_empty_frame_with_every_column(tmp_path, make
     assert loaded["batch_size"].dtype == "Int64"
 
 
-def test_load_names_a_corrupt_file(tmp_path):
+def test_load_skips_a_garbage_file_naming_it_and_keeps_every_other_row(tmp_path, caplog):
+    write_point(_row(point_id="a"), tmp_path)
+    write_point(_row(point_id="b"), tmp_path / "sweep")
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
+    skipped: list[str] = []
+
+    loaded = load(tmp_path, skipped=skipped)
+
+    assert sorted(loaded["point_id"]) == ["a", "b"]
+    assert len(skipped) == 1 and "broken.parquet" in skipped[0]
+    assert "broken.parquet" in caplog.text
+
+
+def test_load_skips_a_truncated_file(tmp_path):
+    good = write_point(_row(point_id="a"), tmp_path)
+    data = write_point(_row(point_id="b"), tmp_path).read_bytes()
+    (tmp_path / "b.parquet").write_bytes(data[: len(data) // 2])
+    skipped: list[str] = []
+
+    loaded = load(tmp_path, skipped=skipped)
+
+    assert loaded["point_id"].tolist() == ["a"]
+    assert good.exists() and "b.parquet" in skipped[0]
+
+
+def test_load_skips_a_foreign_parquet_table(tmp_path):
+    write_point(_row(point_id="a"), tmp_path)
+    pd.DataFrame({"x": [1, 2]}).to_parquet(tmp_path / "foreign.parquet")
+    skipped: list[str] = []
+
+    loaded = load(tmp_path, skipped=skipped)
+
+    assert loaded["point_id"].tolist() == ["a"]
+    assert "foreign.parquet" in skipped[0] and "point_id" in skipped[0]
+
+
+def test_load_ignores_capacity_frontier_tables_silently(tmp_path):
+    write_point(_row(point_id="a"), tmp_path)
+    (tmp_path / "capacity").mkdir()
+    pd.DataFrame({"context": [512]}).to_parquet(tmp_path / "capacity" / "frontier-20260101-000000.parquet")
+    skipped: list[str] = []
+
+    assert load(tmp_path, skipped=skipped)["point_id"].tolist() == ["a"]
+    assert skipped == []
+
+
+def test_load_of_one_corrupt_file_given_by_name_raises_naming_it(tmp_path):
     (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
 
     with pytest.raises(ValueError, match="broken.parquet"):
-        load(tmp_path)
+        load(tmp_path / "broken.parquet")
+
+
+def test_export_skips_a_corrupt_file_and_keeps_the_rest(tmp_path):
+    write_point(_row(point_id="a"), tmp_path / "results")
+    (tmp_path / "results" / "broken.parquet").write_bytes(b"garbage")
+
+    out = export(tmp_path / "results", tmp_path / "all.csv")
+
+    assert pd.read_csv(out)["point_id"].tolist() == ["a"]
 
 
 def test_load_accepts_a_single_parquet_file(tmp_path):

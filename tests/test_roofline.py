@@ -250,3 +250,11 @@ def test_a_prefix_row_reports_the_prefill_of_a_hit():
 
 def test_ridge_point_is_flops_per_byte():
     assert ridge_point(**H100) == pytest.approx(RIDGE_H100)
+
+
+def test_prefill_achieved_tflops_is_the_prefill_flops_over_ttft():
+    args = ModelArgs.from_name("llama-3.1-8b")
+    row = columns(4, prompt_len=128, ttft_ms=40.0)
+    assert row["prefill_flops"] == prefill_cost(args, batch_size=4, prompt_len=128, **BF16).flops
+    assert row["prefill_achieved_tflops"] == pytest.approx(row["prefill_flops"] / 40e-3 / 1e12)
+    assert columns(4)["prefill_achieved_tflops"] is None  # no TTFT measured
