@@ -12,8 +12,11 @@ HAS_NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 TORCH_SPEC ?= $(if $(HAS_NVIDIA_GPU),,torch==2.13.0)
 # Extra Hydra overrides for `make run`, e.g. make run ARGS="gen_len=32"
 ARGS ?=
+# The dashboard binds to loopback unless told otherwise: make dashboard ADDRESS=0.0.0.0 PORT=8501
+ADDRESS ?= 127.0.0.1
+PORT ?= 8501
 
-.PHONY: help setup run test lint docs ceilings clean-results
+.PHONY: help setup run test lint docs ceilings dashboard screenshot bench-dashboard clean-results
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-14s %s\n", $$1, $$2}'
@@ -48,3 +51,13 @@ docs: setup ## Regenerate the README's column table from harness/results.py
 
 ceilings: setup ## Measure (once per device) the bandwidth and matmul peaks the roofline columns use
 	$(BIN)/python -m experiments.ceilings
+
+dashboard: setup ## The Streamlit dashboard over results/ and results/reference/ (http://127.0.0.1:8501)
+	$(BIN)/python -m streamlit run dashboard/app.py --server.address=$(ADDRESS) --server.port=$(PORT) \
+		--browser.gatherUsageStats=false
+
+screenshot: setup ## Re-take the README's roofline screenshot in headless chromium (dashboard/roofline.png)
+	$(BIN)/python -m dashboard.browser --page roofline --out dashboard/roofline.png
+
+bench-dashboard: setup ## Time every dashboard page over 100k rows (AppTest and headless chromium); prints a table
+	$(BIN)/python -m dashboard.bench --browser $(ARGS)

@@ -1,0 +1,64 @@
+"""Memory ledger: where each point's memory went against the device's capacity, the measured OOM frontier beside
+the planner's, and the analytic KV size beside the bytes the cache really held."""
+
+import psutil
+import streamlit as st
+
+from dashboard import charts, data
+from dashboard.sidebar import current, page_rows, plot
+
+GiB = 2**30
+
+st.title("Memory ledger")
+rows = page_rows()
+
+
+def default_capacity_gib(rows) -> float | None:
+    """The cap the rows ran under; else, for CPU rows, this machine's RAM; for CUDA rows nothing is known here."""
+    caps = rows["max_memory_gb"].dropna()
+    if len(caps):
+        return float(caps.max())
+    if (rows["device"] == "cuda").any():
+        return None
+    return round(psutil.virtual_memory().total / GiB, 2)
+
+
+capacity_gib = st.number_input(
+    "device memory (GiB)",
+    min_value=0.0,
+    value=default_capacity_gib(rows),
+    step=1.0,
+    placeholder="type the GPU's memory, e.g. 141",
+    help="Drawn as the capacity line. Default: the rows' max_memory_gb cap; else this machine's RAM for CPU rows.",
+)
+plot(
+    "memory ledger",
+    charts.memory_ledger,
+    rows,
+    capacity_bytes=capacity_gib * GiB if capacity_gib else None,
+)
+
+st.subheader("OOM frontier: measured beside the planner")
+frontiers = data.load_frontiers(current().sources)
+if frontiers.empty:
+    st.info(
+        "No capacity frontier tables found (`<results_dir>/capacity/frontier-*.parquet`). Measure one with "
+        "`python -m experiments.capacity`"
+    )
+else:
+    plot("OOM frontier", charts.frontier, frontiers)
+
+st.subheader("KV bytes: planner vs measured")
+columns = ["model", "cache", "kv_dtype", "batch_size", "prompt_len", "gen_len", "kv_bytes_predicted"]
+columns += ["kv_bytes_allocated"]
+ok = rows[(rows["status"] == "ok") & rows["kv_bytes_predicted"].notna()]
+kv = ok[columns].assign(
+    predicted_mib=ok["kv_bytes_predicted"] / 2**20,
+    allocated_mib=ok["kv_bytes_allocated"] / 2**20,
+    allocated_over_predicted=ok["kv_bytes_allocated"] / ok["kv_bytes_predicted"],
+)
+st.dataframe(kv, hide_index=True)
+st.caption(
+    "kv_bytes_predicted is the analytic 2 × layers × tokens × kv_heads × head_dim × bytes × batch; the cache's own "
+    "allocation adds scales, whole blocks or a window, and `none` keeps nothing."
+)

@@ -1,0 +1,81 @@
+"""Overview: the sweeps found, the headline figures, and every filtered row (sortable, downloadable)."""
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import charts, data
+from dashboard.sidebar import current, page_rows, plot
+
+STATUSES = ("ok", "oom", "error", "unsupported")
+
+st.title("kvbench")
+st.caption("What the KV cache costs and buys during decoding: one row per measured sweep point.")
+rows = page_rows()
+
+
+def sweep_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """One line per sweep and source: how many rows, by status, and when they were measured."""
+    groups = rows.groupby(["sweep_id", "source"], dropna=False)
+    by_status = rows.groupby(["sweep_id", "source", "status"], dropna=False).size().unstack(fill_value=0)
+    table = pd.concat(
+        [
+            groups.size().rename("rows"),
+            by_status.reindex(columns=list(STATUSES), fill_value=0),
+            groups["started_at"].min().rename("first_started_at"),
+            groups["started_at"].max().rename("last_started_at"),
+        ],
+        axis="columns",
+    )
+    return table.reset_index().sort_values("first_started_at", ascending=False, na_position="last")
+
+
+st.subheader("Sweeps found")
+st.dataframe(sweep_table(current().all_rows), hide_index=True)
+plot("Rows per sweep", charts.status_counts, current().all_rows)
+
+ok = rows[rows["status"] == "ok"]
+best, fastest, longest = st.columns(3)
+if ok["decode_tok_s"].notna().any():
+    top = ok.loc[ok["decode_tok_s"].idxmax()]
+    best.metric(
+        "best decode throughput",
+        f"{top['decode_tok_s']:,.1f} tok/s",
+        help=f"{top['model']} · {top['cache']} · kv {top['kv_dtype']} · batch {top['batch_size']}",
+    )
+else:
+    best.metric("best decode throughput", "–")
+if ok["tpot_ms"].notna().any():
+    top = ok.loc[ok["tpot_ms"].idxmin()]
+    fastest.metric(
+        "lowest TPOT",
+        f"{top['tpot_ms']:,.2f} ms",
+        help=f"{top['model']} · {top['cache']} · kv {top['kv_dtype']} · batch {top['batch_size']}",
+    )
+else:
+    fastest.metric("lowest TPOT", "–")
+context = ok["prompt_len"] + ok["gen_len"]  # tokens per sequence
+if context.notna().any():
+    top = ok.loc[context.idxmax()]
+    longest.metric(
+        "largest context that ran (status ok)",
+        f"{int(context.max()):,} tokens",
+        help=f"{top['model']} · {top['cache']} · kv {top['kv_dtype']} · batch {top['batch_size']}",
+    )
+else:
+    longest.metric("largest context that ran (status ok)", "–")
+
+st.subheader(f"Rows ({len(rows)})")
+shown = rows.drop(columns=["itl_ms"], errors="ignore")  # a list per row: long, and not sortable
+first = [c for c in ("source", "sweep_id", "status", "model", "cache", "kv_dtype", "batch_size") if c in shown]
+st.dataframe(shown[first + [c for c in shown.columns if c not in first]], hide_index=True)
+csv_column, parquet_column = st.columns(2)
+csv_column.download_button(
+    "download CSV", data=lambda: data.csv_bytes(rows), file_name="kvbench.csv", mime="text/csv", on_click="ignore"
+)
+parquet_column.download_button(
+    "download parquet",
+    data=lambda: data.parquet_bytes(rows),
+    file_name="kvbench.parquet",
+    mime="application/octet-stream",
+    on_click="ignore",
+)

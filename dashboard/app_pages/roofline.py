@@ -1,0 +1,46 @@
+"""Roofline & crossover: where each decode step sits against this device's measured ceilings, and the batch at
+which decode stops being memory-bound (the observed knee beside the predicted B*)."""
+
+import streamlit as st
+
+from dashboard import charts
+from dashboard.sidebar import page_rows, plot
+from harness import crossover
+
+st.title("Roofline & crossover")
+rows = page_rows()
+
+plot("roofline", charts.roofline, rows)
+
+st.subheader("Batch sweep")
+metrics = st.segmented_control(
+    "metric",
+    ["decode_tok_s", "tpot_ms"],
+    selection_mode="multi",
+    default=["decode_tok_s", "tpot_ms"],
+    help="decode throughput grows with the batch while decode is memory-bound; TPOT rises once it is compute-bound",
+)
+for metric in metrics or []:
+    plot(f"batch sweep ({metric})", charts.batch_sweep, rows, metric=metric)
+try:
+    st.info(charts.crossover_caption(rows))
+except charts.MissingColumns as exc:
+    st.warning(f"crossover caption: {exc}")
+
+st.subheader("Observed knee beside the predicted B*")
+try:
+    knees = crossover.knee_table(rows)
+except KeyError as exc:  # an older schema without a column the knee needs
+    st.warning(f"knee table: needs columns: {exc.args[0]}")
+else:
+    if knees.empty:
+        st.info(
+            "No batch sweep from batch 1 among the selected rows. One sweeps the batch on the CPU: "
+            "`python -m experiments.decode experiment=crossover`"
+        )
+    else:
+        st.dataframe(knees, hide_index=True)
+        st.caption(
+            f"knee_batch: the first batch whose TPOT is {crossover.KNEE_RISE:g}× its batch-1 value; "
+            "critical_batch: B*, the analytic model's smallest batch that reaches the ridge (harness/crossover.py)."
+        )

@@ -1,0 +1,98 @@
+"""How fast each dashboard page renders over many rows (the target: 100k rows, every page under 3 s).
+
+A benchmark, not a test: it prints figures and never fails on time alone. The rows are the committed reference rows
+replicated to --rows (distinct point and sweep ids, so filters and tables see them all), written as one parquet file.
+Each page is timed twice through Streamlit's AppTest (the script run: loading, filtering, building every figure):
+cold (the first page also pays for reading the file; the loaders are cached after that) and warm (a rerun, as when
+a filter changes). With --browser, each page is also timed in headless chromium, until its charts have drawn.
+
+    python -m dashboard.bench                    # = make bench-dashboard
+    python -m dashboard.bench --rows 20000 --browser
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dashboard import browser
+from harness import results
+
+TARGET_S = 3.0  # the issue's budget per page at 100k rows
+
+
+def synthetic_rows(n_rows: int, *, source: Path = browser.REPO / "results" / "reference") -> pd.DataFrame:
+    """The reference rows repeated to n_rows, each copy a distinct point in one of n_rows // 1000 + 1 sweeps."""
+    base = results.load(source)
+    base = base[base["status"] == "ok"].reset_index(drop=True)
+    if base.empty:
+        raise SystemExit(f"no ok rows under {source} to replicate")
+    copies = -(-n_rows // len(base))  # ceil
+    rows = pd.concat([base] * copies, ignore_index=True).iloc[:n_rows].copy()
+    index = pd.Series(range(n_rows), index=rows.index)
+    rows["point_id"] = "bench" + index.astype(str).str.zfill(7)
+    rows["sweep_id"] = "bench-sweep-" + (index // 1000).astype(str).str.zfill(3)
+    return rows
+
+
+def write_rows(rows: pd.DataFrame, directory: Path) -> Path:
+    path = directory / "bench-rows.parquet"
+    table = pa.Table.from_pandas(rows, preserve_index=False)
+    pq.write_table(table.cast(results.arrow_schema()), path)
+    return path
+
+
+def time_pages(results_dir: Path) -> list[dict]:
+    from streamlit.testing.v1 import AppTest
+
+    os.environ["KVBENCH_RESULTS"] = str(results_dir)
+    lines = []
+    for page in browser.PAGES:
+        app = AppTest.from_file(str(browser.APP), default_timeout=600)
+        app.switch_page(f"app_pages/{page}.py")
+        timings = []
+        for _ in range(2):  # cold, then warm
+            started = time.perf_counter()
+            app.run()
+            timings.append(time.perf_counter() - started)
+        errors = [str(exc.value) for exc in app.exception]
+        lines.append({"page": page, "cold_s": timings[0], "warm_s": timings[1], "errors": errors})
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dashboard.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=100_000, help="rows to render (default 100000)")
+    parser.add_argument("--browser", action="store_true", help="also time each page in headless chromium")
+    args = parser.parse_args(argv)
+    if args.rows < 1:
+        parser.error(f"--rows must be a positive integer, got {args.rows}")
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.perf_counter()
+        path = write_rows(synthetic_rows(args.rows), Path(tmp))
+        size_mib = path.stat().st_size / 2**20
+        print(f"{args.rows} rows -> {path.name} ({size_mib:.1f} MiB) in {time.perf_counter() - started:.1f} s")
+        lines = time_pages(Path(tmp))
+        if args.browser:
+            for report in browser.visit_all(tmp):
+                next(line for line in lines if line["page"] == report.name)["browser_s"] = report.seconds
+    print(f"\n{'page':<12} {'cold s':>7} {'warm s':>7} {'browser s':>10}  under {TARGET_S:.0f} s")
+    for line in lines:
+        browser_s = f"{line['browser_s']:10.2f}" if "browser_s" in line else f"{'-':>10}"
+        worst = max(line["warm_s"], line.get("browser_s", 0.0))
+        verdict = "error: " + line["errors"][0] if line["errors"] else ("yes" if worst < TARGET_S else "NO")
+        print(f"{line['page']:<12} {line['cold_s']:7.2f} {line['warm_s']:7.2f} {browser_s}  {verdict}")
+    print("cold: first run of the page (the first page also reads the file); warm: a rerun, e.g. a filter change")
+    return 1 if any(line["errors"] for line in lines) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

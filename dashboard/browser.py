@@ -1,0 +1,182 @@
+"""The dashboard in a real browser: serve it headless on a free loopback port, visit its pages, take screenshots.
+
+The end-to-end test (tests/test_browser.py) and the README's screenshot both go through here, driving Debian's
+chromium (`apt-get install -y chromium`) through Playwright; Playwright's own browser download is not needed.
+
+    python -m dashboard.browser --page roofline --out dashboard/roofline.png     # the README's screenshot
+    python -m dashboard.browser --results results/reference                      # visit every page, report
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+APP = Path(__file__).with_name("app.py")
+REPO = Path(__file__).resolve().parents[1]
+CHROMIUM = Path(os.environ.get("KVBENCH_CHROMIUM", "/usr/bin/chromium"))
+PAGES = ("overview", "roofline", "memory", "strategies", "latency", "profile")  # url paths of app.py's pages
+DEFAULT_PAGE = "overview"  # st.navigation serves the default page at "/", not at its url path
+# Streamlit's DOM contract (data-testid attributes, stable across 1.3x-1.6x releases)
+EXCEPTION = '[data-testid="stException"]'
+PLOTLY = '[data-testid="stPlotlyChart"] .js-plotly-plot'
+RUNNING = '[data-testid="stStatusWidget"]'  # present while the script runs ("Running...")
+VIEWPORT = {"width": 1400, "height": 1000}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(results_dir: str | Path, *, app: Path = APP, timeout_s: float = 90.0) -> Iterator[str]:
+    """Run `streamlit run app` headless on 127.0.0.1 with KVBENCH_RESULTS=results_dir; yield its base URL."""
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(app),
+        "--server.headless=true",
+        "--server.address=127.0.0.1",
+        f"--server.port={port}",
+        "--server.fileWatcherType=none",
+        "--browser.gatherUsageStats=false",
+    ]
+    env = os.environ | {"KVBENCH_RESULTS": str(Path(results_dir).resolve())}
+    with tempfile.TemporaryFile() as output:
+        server = subprocess.Popen(command, env=env, cwd=REPO, stdout=output, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_healthy(url, server=server, output=output, timeout_s=timeout_s)
+            yield url
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+def _wait_healthy(url: str, *, server: subprocess.Popen, output, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            output.seek(0)
+            raise RuntimeError(f"streamlit exited ({server.returncode}): {output.read().decode(errors='replace')}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as response:
+            if response.read().strip() == b"ok":
+                return
+        time.sleep(0.25)
+    raise TimeoutError(f"streamlit did not answer {url}/_stcore/health within {timeout_s:.0f} s")
+
+
+@dataclass
+class PageReport:
+    name: str
+    charts: int  # rendered plotly charts
+    errors: list[str] = field(default_factory=list)  # the text of every Streamlit exception element
+    screenshot: Path | None = None
+    seconds: float = 0.0  # navigation until the script finished and its charts rendered
+
+    @property
+    def ok(self) -> bool:
+        return self.charts > 0 and not self.errors
+
+
+@contextlib.contextmanager
+def chromium() -> Iterator[object]:
+    """A headless Debian chromium driven by Playwright (root in a container needs --no-sandbox)."""
+    from playwright.sync_api import sync_playwright
+
+    if not CHROMIUM.exists():
+        raise FileNotFoundError(f"{CHROMIUM} not found: apt-get install -y chromium (or set KVBENCH_CHROMIUM)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"]
+        )
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def visit(browser, url: str, name: str, *, screenshot: Path | None = None, timeout_s: float = 60.0) -> PageReport:
+    """Open one page, wait until Streamlit has finished running it and its charts have drawn, and report."""
+    page = browser.new_page(viewport=VIEWPORT)
+    started = time.monotonic()
+    try:
+        page.goto(f"{url}/{'' if name == DEFAULT_PAGE else name}", wait_until="domcontentloaded")
+        page.wait_for_selector('[data-testid="stApp"]', timeout=timeout_s * 1000)
+        deadline = started + timeout_s
+        settled_since = None
+        while time.monotonic() < deadline:  # settled: not running, and charts or an exception, for 1 s
+            running = page.locator(RUNNING).count() > 0
+            done = page.locator(PLOTLY).count() > 0 or page.locator(EXCEPTION).count() > 0
+            if not running and done:
+                settled_since = settled_since or time.monotonic()
+                if time.monotonic() - settled_since > 1.0:
+                    break
+            else:
+                settled_since = None
+            page.wait_for_timeout(200)
+        seconds = time.monotonic() - started
+        errors = [text.strip() for text in page.locator(EXCEPTION).all_inner_texts()]
+        report = PageReport(name=name, charts=page.locator(PLOTLY).count(), errors=errors, seconds=seconds)
+        if screenshot is not None:
+            screenshot.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(screenshot), full_page=True)
+            report.screenshot = screenshot
+        return report
+    finally:
+        page.close()
+
+
+def visit_all(results_dir: str | Path, *, pages=PAGES, screenshots: Path | None = None, app: Path = APP):
+    """Serve the app over results_dir and visit every page; screenshots go to `screenshots/<page>.png` if given."""
+    with serve(results_dir, app=app) as url, chromium() as browser:
+        return [
+            visit(browser, url, name, screenshot=screenshots / f"{name}.png" if screenshots else None) for name in pages
+        ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dashboard.browser", description=__doc__.splitlines()[0])
+    parser.add_argument("--results", default=str(REPO / "results" / "reference"), help="results directory to show")
+    parser.add_argument("--page", choices=PAGES, help="only this page (default: every page)")
+    parser.add_argument("--out", type=Path, help="with --page: write its screenshot here (PNG)")
+    args = parser.parse_args(argv)
+    if args.out and not args.page:
+        parser.error("--out needs --page (the screenshot of one page)")
+    pages = (args.page,) if args.page else PAGES
+    with tempfile.TemporaryDirectory() as shots:
+        reports = visit_all(args.results, pages=pages, screenshots=Path(shots))
+        for report in reports:
+            status = "ok" if report.ok else "FAIL"
+            print(f"{report.name:<12} {status:<5} {report.charts} charts  {report.seconds:5.1f} s  {report.errors}")
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_bytes(reports[0].screenshot.read_bytes())
+            print(f"screenshot -> {args.out}")
+    return 0 if all(report.ok for report in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
