@@ -117,6 +117,7 @@ def run_point(cfg: RunConfig) -> dict:
     # The seed notes' formula, for the full length this point reserves: 2 x layers x tokens x kv_heads x head_dim
     # x bytes x batch. Contiguous storage must equal it exactly; the test suite holds it to that.
     row["kv_bytes_predicted"] = int(spec.batch_size * spec.max_tokens * spec.bytes_per_token)
+    row["attn_backend"] = getattr(cache, "attn_backend", "sdpa")  # a strategy with its own kernel says which
     row["output_digest"] = digest(outputs[-1])
     row["status"] = "ok"
     return row
@@ -228,6 +229,8 @@ def config_columns(cfg: RunConfig) -> dict:
         "gen_len": cfg.gen_len,
         "device": cfg.torch_device().type,
         "weights": cfg.weights,
+        "runner": "kvbench",
+        "compile": cfg.compile,
         "seed": cfg.seed,
         "max_memory_gb": cfg.max_memory_gb,
     }

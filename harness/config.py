@@ -25,6 +25,10 @@ KV_DTYPES = ("auto", *BITS)
 KV_GROUP_SIZES = (32, 64)
 DEVICES = ("auto", "cpu", "cuda")
 LENGTHS = ("fixed", "mixed")
+COMPILE_MODES = ("none", "default", "reduce-overhead")  # torch.compile modes of the decode step
+# Fields added after results were first recorded: at their default they stay out of point_id, so older points keep
+# their ids (a rerun finds them) and only points that use the new field hash differently.
+_LATER_DEFAULTS = {"compile": "none"}
 
 
 class ConfigError(ValueError):
@@ -70,6 +74,7 @@ class RunConfig:
     profile: bool = True  # a separate torch.profiler pass over a few decode steps: where the time goes
     profile_steps: int = 4
     profile_trace: bool = False  # also export a Chrome trace next to the row
+    compile: str = "none"  # torch.compile the decode step: none, default, reduce-overhead (CUDA graphs)
     max_memory_gb: float | None = None  # cap on the measuring process: RLIMIT on CPU, memory fraction on CUDA
     results_dir: str = "results"
     seed: int = 0
@@ -106,6 +111,7 @@ class RunConfig:
         if self.max_memory_gb is not None and self.max_memory_gb <= 0:
             raise ConfigError(f"max_memory_gb: must be positive or null, got {self.max_memory_gb}")
         _check_choice("lengths", self.lengths, LENGTHS)
+        _check_choice("compile", self.compile, COMPILE_MODES)
         if not 0 < self.min_len_frac <= 1:
             raise ConfigError(f"min_len_frac: must be in (0, 1], got {self.min_len_frac}")
         check_kv_layout(
@@ -175,6 +181,9 @@ class RunConfig:
         measured = dataclasses.asdict(self)
         for key in ("results_dir", "isolate", "ceilings_dir", "profile_trace"):
             measured.pop(key)
+        for key, default in _LATER_DEFAULTS.items():
+            if measured[key] == default:
+                measured.pop(key)
         measured.update(device=self.torch_device().type, kv_dtype=self.kv_dtype_name)
         blob = json.dumps(measured, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

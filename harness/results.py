@@ -87,6 +87,11 @@ COLUMNS: tuple[Column, ...] = (
     Column("mean_request_len", "float64", "tokens", "mixed: mean final length (prompt + generated) of the requests"),
     Column("device", "string", "", "cpu or cuda"),
     Column("weights", "string", "", "dummy (random weights) or the checkpoint path"),
+    Column("runner", "string", "", "Whose decode loop: kvbench, or transformers (make bench's side-by-side)"),
+    Column("compile", "string", "", "torch.compile mode of the decode step: none, default or reduce-overhead"),
+    Column(
+        "attn_backend", "string", "", "Attention implementation of the decode step: sdpa, triton-paged, flashinfer, ..."
+    ),
     Column("seed", "int64", "", "Random seed of the weights and prompt tokens"),
     Column(
         "max_memory_gb",
