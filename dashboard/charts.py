@@ -21,7 +21,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 
 from harness.crossover import GROUP as KNEE_GROUP
-from harness.crossover import knee_table
+from harness.crossover import knee_batch, knee_table
 
 GIB_BYTES = 2**30
 MIB_BYTES = 2**20
@@ -366,11 +366,11 @@ def _first(values: pd.Series) -> float | None:
     return float(values.iloc[0]) if len(values) else None
 
 
-def _knee(sweep: pd.DataFrame) -> float | None:
-    """The observed knee (harness.crossover.knee_table) of one line's rows, None when there is none."""
-    frame = sweep.reindex(columns=list(dict.fromkeys([*sweep.columns, *KNEE_GROUP, "tpot_ms", "critical_batch"])))
-    knees = knee_table(frame.assign(status="ok"))
-    return _first(pd.to_numeric(knees["knee_batch"], errors="coerce")) if not knees.empty else None
+def _knee(per_batch: pd.DataFrame) -> float | None:
+    """The observed knee (harness.crossover.knee_batch) of one line: per_batch is indexed by batch, ascending."""
+    tpot = per_batch["tpot_ms"]
+    known = tpot.notna()
+    return knee_batch(per_batch.index[known].tolist(), tpot[known].tolist())
 
 
 def _critical_context_text(value: float) -> str:
@@ -396,6 +396,7 @@ def batch_sweep(rows: pd.DataFrame, *, metric: str = "decode_tok_s") -> go.Figur
             "batch_size": numbers(ok, "batch_size"),
             "prompt_len": numbers(ok, "prompt_len"),
             "value": numbers(ok, metric),
+            "tpot_ms": numbers(ok, "tpot_ms") if "tpot_ms" in ok else np.nan,
             "predicted_tpot_ms": numbers(ok, "predicted_tpot_ms"),
             "flops_per_step": numbers(ok, "flops_per_step"),
             "peak_tflops": numbers(ok, "peak_tflops"),
@@ -442,7 +443,7 @@ def batch_sweep(rows: pd.DataFrame, *, metric: str = "decode_tok_s") -> go.Figur
                 )
             )
             legend_shown.add(name)
-        markers = (("B*", _first(line["critical_batch"]), "dashdot"), ("knee", _knee(ok.loc[line.index]), "longdash"))
+        markers = (("B*", _first(line["critical_batch"]), "dashdot"), ("knee", _knee(per_batch), "longdash"))
         for kind, x, dash in markers:
             if x is None or x <= 0 or (kind, x) in drawn:  # null: nothing to mark; drawn: lines that agree share one
                 continue
@@ -524,7 +525,8 @@ def crossover_caption(rows: pd.DataFrame) -> str:
     if ok.empty:
         return f"No crossover to describe: {NO_OK_ROWS}."
     # The grouping keys as plain text and floats, so knee_table's groups and the sweeps below match exactly.
-    frame = ok.reindex(columns=list(dict.fromkeys([*ok.columns, *KNEE_GROUP, "critical_batch"])))
+    caption_columns = ("status", "batch_size", "gen_len", "tpot_ms", "critical_batch", "peak_tflops", "bound")
+    frame = ok.reindex(columns=list(dict.fromkeys([*KNEE_GROUP, "device_name", *caption_columns])))  # narrow: fast
     frame = frame.assign(
         **{key: texts(frame, key) for key in KNEE_GROUP if key != "prompt_len"},
         prompt_len=numbers(frame, "prompt_len"),

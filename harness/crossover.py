@@ -8,10 +8,25 @@ batch-1 value by KNEE_RISE; the predicted critical batch B* comes from the analy
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pandas as pd
 
 KNEE_RISE = 1.25  # TPOT 25% above batch 1: well clear of run-to-run noise (tpot_cv is a few %)
 GROUP = ["model", "device", "dtype", "kv_dtype", "cache", "prompt_len"]
+
+
+def knee_batch(batch_sizes: Sequence[float], tpot_ms: Sequence[float]) -> int | None:
+    """The first batch whose TPOT exceeds KNEE_RISE x its batch-1 value; None without batch 1 or without a rise.
+
+    batch_sizes ascending, one TPOT each (a median, when a batch was measured more than once).
+    """
+    if len(batch_sizes) < 2 or batch_sizes[0] != 1:
+        return None
+    for batch, tpot in zip(batch_sizes, tpot_ms, strict=True):
+        if tpot > KNEE_RISE * tpot_ms[0]:
+            return int(batch)
+    return None
 
 
 def knee_table(rows: pd.DataFrame) -> pd.DataFrame:
@@ -20,21 +35,21 @@ def knee_table(rows: pd.DataFrame) -> pd.DataFrame:
     Columns: GROUP, batches (how many were measured), tpot_b1_ms, knee_batch (null when TPOT never rose by
     KNEE_RISE within the sweep), and critical_batch (the prediction, when the rows carry it).
     """
-    ok = rows[(rows["status"] == "ok") & rows["tpot_ms"].notna()]
+    needed = [c for c in (*GROUP, "batch_size", "tpot_ms", "critical_batch") if c in rows.columns]
+    ok = rows.loc[(rows["status"] == "ok") & rows["tpot_ms"].notna(), needed]  # narrow: a row has ~130 columns
     lines = []
     for key, sweep in ok.groupby(GROUP, dropna=False):
-        sweep = sweep.sort_values("batch_size")
-        if sweep["batch_size"].nunique() < 2 or sweep["batch_size"].iloc[0] != 1:
+        per_batch = sweep.groupby("batch_size")["tpot_ms"].median().sort_index()
+        if len(per_batch) < 2 or per_batch.index[0] != 1:
             continue  # not a batch sweep from batch 1
-        tpot_b1 = sweep["tpot_ms"].iloc[0]
-        risen = sweep[sweep["tpot_ms"] > KNEE_RISE * tpot_b1]
+        tpot_b1 = float(per_batch.iloc[0])
         predicted = sweep["critical_batch"].dropna() if "critical_batch" in sweep else pd.Series(dtype=float)
         lines.append(
             dict(zip(GROUP, key, strict=True))
             | {
-                "batches": len(sweep),
+                "batches": len(per_batch),
                 "tpot_b1_ms": tpot_b1,
-                "knee_batch": int(risen["batch_size"].iloc[0]) if len(risen) else None,
+                "knee_batch": knee_batch(per_batch.index.tolist(), per_batch.tolist()),
                 "critical_batch": float(predicted.iloc[0]) if len(predicted) else None,
             }
         )

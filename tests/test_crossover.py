@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.crossover import knee_table
+from harness.crossover import knee_batch, knee_table
 
 
 def sweep(tpots: dict[int, float], prompt_len: int = 128, critical_batch: float | None = 48.0) -> pd.DataFrame:
@@ -47,3 +47,23 @@ def test_each_prompt_length_is_its_own_sweep_and_failed_points_are_ignored():
 
 def test_rows_without_a_batch_sweep_give_an_empty_table():
     assert knee_table(sweep({1: 10.0})).empty
+
+
+def test_knee_batch_is_the_first_batch_past_the_rise():
+    assert knee_batch([1, 2, 4, 8], [10.0, 10.5, 12.6, 20.0]) == 4  # 12.6 > 1.25 x 10
+    assert knee_batch([1, 2, 4], [10.0, 11.0, 12.5]) is None  # 12.5 is not above 12.5
+    assert knee_batch([2, 4, 8], [10.0, 20.0, 40.0]) is None  # no batch-1 reference
+    assert knee_batch([1], [10.0]) is None
+
+
+def test_knee_table_takes_the_median_of_a_batch_measured_twice():
+    rows = pd.DataFrame(
+        {
+            "model": "small", "device": "cpu", "dtype": "bf16", "kv_dtype": "bf16", "cache": "contiguous",
+            "prompt_len": 32, "status": "ok",
+            "batch_size": [1, 1, 1, 4],
+            "tpot_ms": [10.0, 11.0, 30.0, 13.0],  # batch 1's median is 11: 13 is not a knee, 1.25 x 11 = 13.75
+        }
+    )  # fmt: skip
+    line = knee_table(rows).iloc[0]
+    assert line["tpot_b1_ms"] == 11.0 and line["batches"] == 2 and pd.isna(line["knee_batch"])
