@@ -16,7 +16,7 @@ ARGS ?=
 ADDRESS ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: help setup run test lint docs ceilings dashboard screenshot bench-dashboard clean-results
+.PHONY: help setup run test lint docs ceilings dashboard screenshot bench-dashboard bench clean-results
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-14s %s\n", $$1, $$2}'
@@ -61,3 +61,6 @@ screenshot: setup ## Re-take the README's roofline screenshot in headless chromi
 
 bench-dashboard: setup ## Time every dashboard page over 100k rows (AppTest and headless chromium); prints a table
 	$(BIN)/python -m dashboard.bench --browser $(ARGS)
+
+bench: setup ## Our decode loop against transformers' generate(): same weights, interleaved rounds; prints the table
+	$(BIN)/python -m experiments.bench $(ARGS)

@@ -15,14 +15,17 @@ import torch
 
 from harness import accuracy, ceilings, fragmentation, kv, profile, roofline
 from harness.config import DTYPES, RunConfig
-from harness.decode import generate
-from harness.kv.base import CacheSpec
+from harness.decode import check_compilable, compile_decode_step, generate
+from harness.kv.base import CacheSpec, Unsupported
 from harness.model import build_model, weights_bytes
 from harness.probes import MemoryProbe
 from harness.results import SCHEMA_VERSION
 from harness.timing import RepeatPolicy, StepTimer, measure, summarize
 
 log = logging.getLogger(__name__)
+# Decode steps the warm-up must run for a compiled step: torch.compile traces at the first call; CUDA graph trees
+# (reduce-overhead) run the second as their own warm-up and record at the third. Only replays are timed.
+COMPILE_WARMUP_STEPS = 3
 
 
 def run_point(cfg: RunConfig) -> dict:
@@ -49,6 +52,13 @@ def run_point(cfg: RunConfig) -> dict:
     with probe:
         # The cache first: a combination this device cannot run is `unsupported` before the model costs anything.
         cache = kv.build(cfg.cache["name"], spec, cfg.cache_options)
+        if cfg.compile != "none":
+            check_compilable(cache, mode=cfg.compile, device=device)
+            if cfg.warmup * (cfg.gen_len - 1) < COMPILE_WARMUP_STEPS:  # compiling must not land in a timed run
+                raise Unsupported(
+                    f"compile: the warm-up generations run {cfg.warmup * (cfg.gen_len - 1)} decode steps, fewer than "
+                    f"the {COMPILE_WARMUP_STEPS} that compile, warm up and record the step; raise warmup or gen_len"
+                )
         model = build_model(
             args,
             weights=cfg.weights,
@@ -58,12 +68,13 @@ def run_point(cfg: RunConfig) -> dict:
             n_positions=cfg.prompt_len + cfg.gen_len,
         )
         prompt = make_prompts(cfg, vocab_size=args.vocab_size).to(device)
+        step = compile_decode_step(model, cache, mode=cfg.compile) if cfg.compile != "none" else None
         timer = StepTimer(device, n_marks=cfg.gen_len)
         outputs: list[torch.Tensor] = []
         kv_figures: dict[str, int] = {}
 
         def run_once():
-            generated, sample = generate(model, cache, prompt, cfg.gen_len, timer)
+            generated, sample = generate(model, cache, prompt, cfg.gen_len, timer, step=step)
             # Read at the peak, just before the sequences complete and give their storage back.
             kv_figures.update(
                 kv_bytes_allocated=cache.kv_bytes_allocated(),
@@ -105,7 +116,9 @@ def run_point(cfg: RunConfig) -> dict:
     row |= probe.validity_columns()
     if cfg.roofline:
         row |= roofline_columns(cfg, args=args, tpot_ms=row["tpot_ms"], ttft_ms=row["ttft_ms"])
-    if cfg.profile and cfg.gen_len > 2:  # a separate pass: the timing above stays clean
+    # A separate pass: the timing above stays clean. It profiles eager decode steps, so a compiled point skips it
+    # rather than attribute eager kernels to a compiled row.
+    if cfg.profile and cfg.gen_len > 2 and cfg.compile == "none":
         trace = Path(cfg.results_dir) / "traces" / f"{row['point_id']}.json" if cfg.profile_trace else None
         prof_columns, top_ops = profile.profile_decode(
             model, cache, prompt, n_steps=min(cfg.profile_steps, cfg.gen_len - 2), device=device, trace_path=trace

@@ -2,15 +2,30 @@
 
 With a cache, a decode step feeds only the newest token and attends over the stored K/V. Without one (`none`),
 it feeds the whole sequence so far, which is what the cache saves.
+
+`compile` (gpt-fast's recipe): `compile_decode_step` wraps the decode step, `decode_one_token`, in torch.compile.
+Every step then runs at the same shapes: the token and its position are device tensors the step reads (a position
+that is a Python int would be a new constant, so a recompile, at every step), and the cache attends over its whole
+preallocated buffer under a length mask. With mode="reduce-overhead" the compiled step is captured once in a CUDA
+graph and replayed, which removes the per-kernel launch cost that dominates a small model's step. Compilation (and
+the graph's recording) happens in the first calls, inside the warm-up generations (harness.bench makes sure they run
+enough steps), never in a timed one. Prefill stays eager: it runs once per generation, at a shape of its own.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch.profiler import record_function
 
-from harness.kv.base import KVCache
+from harness.kv.base import KVCache, Unsupported
 from harness.timing import Sample, StepTimer
+
+COMPILE_MODES = ("default", "reduce-overhead")  # torch.compile's modes a decode step can take here
+# step(tokens [B, S], pos) -> the next token [B], for the sequences in `tokens` whose newest token sits at pos.
+DecodeStep = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def prefill_logits(model: torch.nn.Module, cache: KVCache, prompt: torch.Tensor) -> torch.Tensor:
@@ -43,11 +58,70 @@ def decode_step(model: torch.nn.Module, cache: KVCache, tokens: torch.Tensor, po
         return logits.argmax(dim=-1)
 
 
+def decode_one_token(model: torch.nn.Module, cache: KVCache, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The decode step at static shapes, what torch.compile captures: token [B, 1] at position pos [1] (both on the
+    device) -> the next token [B]. The model's own forward with the position as a tensor: RoPE rows are indexed,
+    not sliced, and the cache receives the tensor (harness.kv.contiguous attends under a length mask)."""
+    cos, sin = model.rope_cos[pos], model.rope_sin[pos]  # [1, D]
+    x = model.tok_embeddings(token)  # [B, 1, dim]
+    for layer in model.layers:
+        x = layer(x, cos=cos, sin=sin, start_pos=pos, cache=cache)
+    return model.output(model.norm(x))[:, -1].argmax(dim=-1)  # [B]
+
+
+def check_compilable(cache: KVCache, *, mode: str, device: torch.device) -> None:
+    """Unsupported, before anything is built, for a combination that cannot compile to static shapes here."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile: unknown mode {mode!r}; allowed: none, {', '.join(COMPILE_MODES)}")
+    if mode == "reduce-overhead" and device.type != "cuda":
+        raise Unsupported(f"compile: reduce-overhead captures CUDA graphs, and this point runs on {device.type}")
+    if not hasattr(cache, "enable_static_decode"):
+        raise Unsupported(
+            f"compile: cache {cache.name} has no static-shape decode step (its K/V grow by block, ring or stream); "
+            "allowed: contiguous"
+        )
+    if cache.spec.kv_dtype == "int4":
+        raise Unsupported("compile: int4 (KIVI) quantizes key groups as they complete, a data-dependent write")
+
+
+def compile_decode_step(model: torch.nn.Module, cache: KVCache, *, mode: str) -> DecodeStep:
+    """decode_one_token under torch.compile(mode), as a DecodeStep: the cache's bookkeeping (prepare) stays eager
+    and on the host; the token and the position reach the graph through two device buffers, updated by device
+    copies, so no step waits on the host."""
+    device = model.tok_embeddings.weight.device
+    check_compilable(cache, mode=mode, device=device)
+    cache.enable_static_decode()  # Unsupported for a format without a static-shape write (int4)
+    compiled = torch.compile(decode_one_token, mode=mode, fullgraph=True, dynamic=False)
+    batch = cache.spec.batch_size
+    token = torch.zeros((batch, 1), dtype=torch.long, device=device)  # [B, 1]
+    pos = torch.zeros(1, dtype=torch.long, device=device)  # [1]
+    for buffer in (token, pos):  # CUDA graphs read them where they are, instead of copying them in
+        torch._dynamo.mark_static_address(buffer)
+
+    def step(tokens: torch.Tensor, at: int) -> torch.Tensor:
+        cache.prepare(at, 1)
+        token.copy_(tokens[:, at : at + 1])
+        pos.fill_(at)
+        if mode == "reduce-overhead":  # a new step: the graph's previous outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        return compiled(model, cache, token, pos)
+
+    return step
+
+
 @torch.inference_mode()
 def generate(
-    model: torch.nn.Module, cache: KVCache, prompt: torch.Tensor, gen_len: int, timer: StepTimer
+    model: torch.nn.Module,
+    cache: KVCache,
+    prompt: torch.Tensor,
+    gen_len: int,
+    timer: StepTimer,
+    step: DecodeStep | None = None,
 ) -> tuple[torch.Tensor, Sample]:
-    """Greedy decoding of gen_len tokens after prompt [B, P]. Returns (generated ids [B, gen_len], timing)."""
+    """Greedy decoding of gen_len tokens after prompt [B, P]. Returns (generated ids [B, gen_len], timing).
+
+    step: how each decode step runs (compile_decode_step's); by default decode_step, eager."""
+    step = step or functools.partial(decode_step, model, cache)
     batch, prompt_len = prompt.shape
     # One buffer for the whole sequence: no per-step concatenation on the hot path.
     tokens = torch.empty((batch, prompt_len + gen_len), dtype=torch.long, device=prompt.device)
@@ -56,7 +130,7 @@ def generate(
     tokens[:, prompt_len] = prefill(model, cache, prompt)
     timer.mark()
     for pos in range(prompt_len, prompt_len + gen_len - 1):
-        tokens[:, pos + 1] = decode_step(model, cache, tokens, pos)
+        tokens[:, pos + 1] = step(tokens, pos)
         timer.mark()
     intervals = timer.intervals_ms()  # the only host sync of the generation
     return tokens[:, prompt_len:], Sample(ttft_ms=intervals[0], step_ms=intervals[1:])

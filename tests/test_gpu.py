@@ -56,3 +56,118 @@ def test_a_cuda_point_records_energy_clocks_and_throttle_reasons():
     assert row["throttle_reasons_start"] >= 0
     if row["energy_j_per_token"] is not None:  # Volta and newer
         assert row["energy_j_per_token"] > 0 and row["mean_power_w"] > 10
+
+
+# --- the in-place decode kernels and compile, on CUDA --------------------------------------------------------------
+
+
+def _random_pool(*, kv_dtype, batch, n_kv_heads, group, head_dim, lens, block_size, compute, seed=0):
+    """A shuffled block table over a pool holding random K/V in kv_dtype (int8/fp8 with their scales), on CUDA."""
+    from harness.kv.quant import token_codec
+
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = -(-max(lens) // block_size)
+    n_blocks = batch * blocks_per_seq + 5
+    codec = token_codec(kv_dtype)
+    pool = {}
+    for side in "kv":
+        parts = codec.encode(torch.randn(n_blocks, n_kv_heads, block_size, head_dim, generator=gen))
+        pool[side] = {name: t.to(CUDA) for name, t in parts.items()}
+    table = torch.randperm(n_blocks, generator=gen)[: batch * blocks_per_seq].view(batch, blocks_per_seq)
+    inputs = dict(
+        q=torch.randn(batch, n_kv_heads * group, head_dim, generator=gen).to(CUDA, compute),
+        k_pool=pool["k"]["data"],
+        v_pool=pool["v"]["data"],
+        table=table.to(CUDA),
+        lens=torch.tensor(lens, dtype=torch.int32, device=CUDA),
+        block_size=block_size,
+    )
+    if "scale" in pool["k"]:
+        inputs |= {"k_scale": pool["k"]["scale"][..., 0], "v_scale": pool["v"]["scale"][..., 0]}
+    return inputs
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "compute", "tolerance"),
+    [("bf16", torch.bfloat16, 2e-2), ("fp16", torch.float16, 2e-3), ("fp32", torch.float32, 1e-4),
+     ("int8", torch.bfloat16, 2e-2), ("fp8_e4m3", torch.bfloat16, 2e-2), ("fp8_e5m2", torch.float16, 2e-3)],
+)  # fmt: skip
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("n_splits", [1, None])  # None: as many as the split heuristic wants on this GPU
+def test_the_compiled_kernel_matches_its_reference_on_cuda(kv_dtype, compute, tolerance, group, n_splits):
+    from harness.kv import triton_paged
+
+    if reason := triton_paged.kernel_unsupported(kv_dtype, CUDA):
+        pytest.skip(reason)
+    lens = [1, 300, 2049, 4096]
+    inputs = _random_pool(
+        kv_dtype=kv_dtype, batch=4, n_kv_heads=8, group=group, head_dim=128, lens=lens, block_size=16, compute=compute
+    )
+    expected = triton_paged.paged_decode_reference(**inputs)
+    actual = triton_paged.paged_decode(**inputs, max_len=max(lens), n_splits=n_splits)
+    error = (actual.float() - expected.float()).abs().max().item()
+    assert error <= tolerance * expected.float().abs().max().item(), error
+
+
+@pytest.mark.parametrize(
+    ("cache", "kv_dtype", "backend"),
+    [("paged", "bf16", ("triton-paged", "flashinfer")), ("paged", "fp8_e4m3", ("triton-paged",)),
+     ("prefix", "int8", ("triton-paged",)), ("contiguous", "bf16", ("sdpa",)),
+     ("contiguous", "fp8_e4m3", ("triton-dequant",))],
+)  # fmt: skip
+def test_a_cuda_row_names_the_decode_attention_that_ran(cache, kv_dtype, backend):
+    row = run_point(
+        RunConfig(
+            model={"name": "tiny"}, cache={"name": cache}, device="cuda", dtype="bf16", kv_dtype=kv_dtype,
+            prompt_len=100, gen_len=8, prefix_len=32 if cache == "prefix" else 0, warmup=1,
+            min_repeats=1, max_repeats=1, profile=False, roofline=False, isolate=False,
+        )
+    )  # fmt: skip
+    assert row["status"] == "ok", row.get("error")
+    assert row["attn_backend"] in backend
+
+
+def test_int4_has_no_fused_path_and_says_so(tiny_args):
+    spec = CacheSpec.for_model(
+        tiny_args, batch_size=1, max_tokens=64, kv_dtype="int4", device=CUDA, kv_group_size=8
+    )  # tiny's head_dim of 16 needs groups smaller than the harness's 32 and 64
+    assert kv.build("paged", spec, {"block_size": 8}).attn_backend == "sdpa-gather"
+    assert kv.build("contiguous", spec, {}).attn_backend == "sdpa"
+
+
+def test_the_paged_and_contiguous_kernels_generate_the_eager_gather_tokens_in_fp32(tiny_args):
+    model = build_model(tiny_args, weights="dummy", dtype=torch.float32, device=CUDA, seed=0, n_positions=128)
+    prompt = torch.randint(tiny_args.vocab_size, (3, 70), generator=torch.Generator().manual_seed(0)).to(CUDA)
+    outputs = {}
+    for name, kv_dtype in (("contiguous", "fp32"), ("paged", "fp32"), ("prefix", "fp32")):
+        spec = CacheSpec.for_model(tiny_args, batch_size=3, max_tokens=70 + 20, kv_dtype=kv_dtype, device=CUDA)
+        cache = kv.build(name, spec, {})
+        outputs[name], _ = generate(model, cache, prompt, 20, StepTimer(CUDA, n_marks=20))
+    assert torch.equal(outputs["contiguous"], outputs["paged"]) and torch.equal(outputs["paged"], outputs["prefix"])
+
+
+@pytest.mark.parametrize(("mode", "kv_dtype"), [("default", "fp32"), ("reduce-overhead", "fp8_e4m3")])
+def test_a_compiled_decode_on_cuda_generates_the_eager_tokens(tiny_args, mode, kv_dtype):
+    from harness.decode import compile_decode_step
+
+    model = build_model(tiny_args, weights="dummy", dtype=torch.float32, device=CUDA, seed=0, n_positions=64)
+    prompt = torch.randint(tiny_args.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0)).to(CUDA)
+    spec = CacheSpec.for_model(tiny_args, batch_size=2, max_tokens=20 + 12, kv_dtype=kv_dtype, device=CUDA)
+    eager, _ = generate(model, kv.build("contiguous", spec, {}), prompt, 12, StepTimer(CUDA, n_marks=12))
+    cache = kv.build("contiguous", spec, {})
+    step = compile_decode_step(model, cache, mode=mode)
+    for _ in range(2):  # the first generation compiles (and records the graph), the second replays it
+        compiled, sample = generate(model, cache, prompt, 12, StepTimer(CUDA, n_marks=12), step=step)
+        cache.release()
+        assert torch.equal(compiled, eager)
+    assert cache.attn_backend == ("triton-dequant" if kv_dtype == "fp8_e4m3" else "sdpa-masked")
+
+
+def test_a_reduce_overhead_point_on_cuda_is_ok_and_faster_per_token_than_eager():
+    point = dict(model={"name": "tiny"}, device="cuda", dtype="bf16", prompt_len=64, gen_len=32, warmup=1,
+                 min_repeats=3, max_repeats=3, profile=False, roofline=False, isolate=False)  # fmt: skip
+    eager = run_point(RunConfig(**point))
+    graphs = run_point(RunConfig(**point, compile="reduce-overhead"))
+    assert graphs["status"] == "ok", graphs.get("error")
+    assert graphs["compile"] == "reduce-overhead" and graphs["attn_backend"] == "sdpa-masked"
+    assert graphs["tpot_ms"] < eager["tpot_ms"]  # a tiny model's step is launch-bound: graphs remove the launches

@@ -5,7 +5,15 @@ PagedAttention (Kwon et al. 2023) removes.
 
 Quantized formats (harness.kv.quant) keep their narrow data in the same buffers and their scales in buffers of
 their own, with a row per token (or per group of tokens, for int4 keys); a plain format reads back a slice of the
-buffer, with no copy.
+buffer, with no copy. On CUDA, an int8 or fp8 decode step reads the codes in place with the Triton kernel of
+harness.kv.triton_paged (the buffer is a pool of one block per sequence), so no dequantized copy of the context is
+ever made; elsewhere the filled part is dequantized and attended with SDPA.
+
+Static shapes (`compile`, harness.decode.compile_decode_step): a decode step whose position comes as a tensor on the
+device writes with index_copy_ and attends over the whole preallocated buffer under a length mask, as gpt-fast does,
+so that every step has the same shapes and CUDA graphs can replay it.
+
+`attn_backend`: "sdpa" (a slice of the buffer), "sdpa-masked" (static shapes), "triton-dequant" (the kernel).
 """
 
 from __future__ import annotations
@@ -14,9 +22,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
-from harness.kv.base import CacheSpec, attention, blocks_for
-from harness.kv.quant import storage_format
+from harness.kv.base import CacheSpec, Unsupported, attention, blocks_for
+from harness.kv.quant import FP8, storage_format
 
 
 @dataclass(frozen=True)
@@ -45,17 +54,108 @@ class ContiguousCache:
         }
         self.rows = {"k": self.buffers[:, 0], "v": self.buffers[:, 1], **self.scales}  # views, by part name
         self.n_tokens = 0
+        self.fused_dequant = self._kernel_reads(spec)  # int8/fp8 on CUDA: decode reads the codes in place
+        self.attn_backend = "triton-dequant" if self.fused_dequant else "sdpa"
+        self._lens: tuple[int, torch.Tensor] | None = None  # (tokens, [B] int32 on the device), one per step
+        # The kernel's block table: sequence b is block b, of S_max tokens.
+        self._one_block_table = torch.arange(spec.batch_size, device=spec.device)[:, None]  # [B, 1]
+        # Set by enable_static_decode: [S_max] positions for the length mask; the kernel's split count.
+        self._positions: torch.Tensor | None = None
+        self._static_splits: int | None = None
+
+    @staticmethod
+    def _kernel_reads(spec: CacheSpec) -> bool:
+        if spec.device.type != "cuda" or not (spec.kv_dtype == "int8" or spec.kv_dtype in FP8):
+            return False
+        from harness.kv import triton_paged  # imported on CUDA only: the CPU never pays for importing triton
+
+        return triton_paged.kernel_unsupported(spec.kv_dtype, spec.device) is None
+
+    def enable_static_decode(self) -> None:
+        """Prepare decode steps at static shapes (harness.decode.compile_decode_step): mark the buffers as living at
+        fixed addresses, so that CUDA graphs update them in place instead of copying them in, and fix what the
+        graph needs once: the positions of the length mask, or the kernel's split count for the longest context."""
+        if self.spec.kv_dtype == "int4":
+            raise Unsupported("compile: int4 (KIVI) quantizes key groups as they complete, a data-dependent write")
+        spec = self.spec
+        self._positions = torch.arange(spec.max_tokens, device=spec.device)  # [S_max]
+        for tensor in (self.buffers, *self.scales.values(), self._positions, self._one_block_table):
+            torch._dynamo.mark_static_address(tensor)
+        if self.fused_dequant:
+            from harness.kv import triton_paged
+
+            self._static_splits = triton_paged.split_count(
+                batch=spec.batch_size, n_kv_heads=spec.n_kv_heads, max_len=spec.max_tokens, device=spec.device
+            )
+        else:
+            self.attn_backend = "sdpa-masked"
 
     def prepare(self, start_pos: int, n_new: int) -> None:
         if start_pos + n_new > self.spec.max_tokens:
             raise ValueError(f"contiguous cache holds {self.spec.max_tokens} tokens, asked for {start_pos + n_new}")
         self.n_tokens = start_pos + n_new
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int | torch.Tensor
+    ) -> torch.Tensor:
+        if isinstance(start_pos, torch.Tensor):  # a decode step at static shapes: the position [1] on the device
+            return self._attend_static(layer, q, k, v, start_pos)
         self._write(layer, k, v, start_pos)
+        if q.shape[2] == 1 and self.fused_dequant:
+            n_tokens = start_pos + 1
+            return self._decode_in_place(layer, q, self._lengths(n_tokens), max_len=n_tokens)
         # Read only the filled part: decode attention costs what the context costs, not what was reserved.
         k_seq, v_seq = self._gather(layer, start_pos + k.shape[2], q.dtype)
         return attention(q, k_seq, v_seq, start_pos)
+
+    def _attend_static(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
+    ) -> torch.Tensor:
+        """One token at position pos [1] (a device tensor): the same shapes at every step, whatever the position."""
+        assert q.shape[2] == 1 and self._positions is not None, "static shapes: one token, after enable_static_decode"
+        self._write(layer, k, v, pos)
+        if self.fused_dequant:  # the kernel reads only the filled positions: their count comes from the device
+            lens = (pos + 1).to(torch.int32).expand(q.shape[0]).contiguous()  # [B]
+            return self._decode_in_place(layer, q, lens, max_len=self.spec.max_tokens, n_splits=self._static_splits)
+        k_all, v_all = self._gather(layer, self.spec.max_tokens, q.dtype)  # [B, H_kv, S_max, D]: the whole buffer
+        batch, n_heads, _, head_dim = q.shape
+        n_kv_heads = k_all.shape[1]
+        visible = (self._positions <= pos).view(1, 1, 1, -1)  # [1, 1, 1, S_max]: the filled part, this token included
+        # GQA as in harness.kv.base.attention: a group's query heads fold into the query axis, [B, H_kv, G, D].
+        out = F.scaled_dot_product_attention(
+            q.view(batch, n_kv_heads, n_heads // n_kv_heads, head_dim), k_all, v_all, attn_mask=visible
+        )
+        return out.view(batch, n_heads, 1, head_dim)
+
+    def _decode_in_place(
+        self, layer: int, q: torch.Tensor, lens: torch.Tensor, *, max_len: int, n_splits: int | None = None
+    ) -> torch.Tensor:
+        """q [B, H, 1, D] over the stored codes, dequantized in the kernel: the buffer [B, H_kv, S_max, D] is a
+        pool of B blocks of S_max tokens, sequence b in block b; lens [B] -> [B, H, 1, D]."""
+        from harness.kv import triton_paged
+
+        out = triton_paged.paged_decode(
+            q[:, :, 0],
+            self.rows["k"][layer],
+            self.rows["v"][layer],
+            self._one_block_table,
+            lens,
+            block_size=self.spec.max_tokens,
+            max_len=max_len,
+            k_scale=self.scales["k_scale"][layer][..., 0],  # [B, H_kv, S_max]
+            v_scale=self.scales["v_scale"][layer][..., 0],
+            n_splits=n_splits,
+        )
+        return out.unsqueeze(2)
+
+    def _lengths(self, n_tokens: int) -> torch.Tensor:
+        """[B] int32 on the device, every sequence at n_tokens: made once per step, read by every layer."""
+        if self._lens is None or self._lens[0] != n_tokens:
+            self._lens = (
+                n_tokens,
+                torch.full((self.spec.batch_size,), n_tokens, dtype=torch.int32, device=self.spec.device),
+            )
+        return self._lens[1]
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> None:
         self.format.write(self, layer, k, v, start_pos)
@@ -65,8 +165,14 @@ class ContiguousCache:
         return self.format.read(self, layer, end, dtype)
 
     # harness.kv.quant.RowStore: a part's rows are its buffer's sequence axis.
-    def put_rows(self, layer: int, name: str, x: torch.Tensor, first: int) -> None:
-        self.rows[name][layer][:, :, first : first + x.shape[2]] = x
+    def put_rows(self, layer: int, name: str, x: torch.Tensor, first: int | torch.Tensor) -> None:
+        if isinstance(first, torch.Tensor):  # static shapes: the row index stays on the device
+            rows, x = self.rows[name][layer], x.to(self.rows[name].dtype)
+            if rows.dtype in FP8.values():  # index_copy_ has no fp8 kernel: copy the same bytes as uint8
+                rows, x = rows.view(torch.uint8), x.view(torch.uint8)
+            rows.index_copy_(2, first, x)
+        else:
+            self.rows[name][layer][:, :, first : first + x.shape[2]] = x
 
     def get_rows(self, layer: int, name: str, n: int) -> torch.Tensor:
         return self.rows[name][layer][:, :, :n]  # a view

@@ -5,8 +5,11 @@ takes a block only when it grows into it and returns all of them on completion, 
 most one partly filled block instead of everything reserved up to its maximum length. Paging cuts fragmentation,
 not the total: the tokens present cost exactly what they cost in a contiguous buffer.
 
-Attention follows the block table. Here (CPU, and any device without a paged kernel) it gathers the sequence's
-blocks into a contiguous tensor first; a fused paged-attention kernel that reads blocks in place comes later.
+Attention follows the block table. A decode step on CUDA reads the blocks in place: FlashInfer's paged decode for
+fp16/bf16 storage when `flashinfer` is installed, else the Triton kernel of harness.kv.triton_paged (plain, int8 and
+fp8 storage, dequantized in registers). Prefill, int4, and the CPU gather the sequence's blocks into a contiguous
+tensor first and run SDPA over it. `attn_backend` says which decode path ran: "flashinfer", "triton-paged" or
+"sdpa-gather".
 
 Quantized formats (harness.kv.quant) keep their narrow data in the pool and their scales in pools of their own,
 block for block, so a block returned to the pool frees its scales too. int4 key scales cover a group of
@@ -15,6 +18,8 @@ kv_group_size tokens, so block_size must divide it or be a multiple of it.
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -22,6 +27,10 @@ import torch
 
 from harness.kv.base import CacheSpec, KVPoolExhausted, Unsupported, attention, blocks_for
 from harness.kv.quant import storage_format
+
+log = logging.getLogger(__name__)
+FLASHINFER_DTYPES = ("fp16", "bf16")  # what its paged decode reads here; fp8 would need its own scale layout
+FLASHINFER_WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's documented default for its split-K scratch
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,26 @@ class PagedCache:
         # The same tables on the device, for gathers: [B, blocks_per_seq]; refreshed only when a block is added.
         self.table = torch.zeros((spec.batch_size, blocks_per_seq), dtype=torch.long, device=spec.device)
         self.n_tokens = 0  # tokens present per sequence (all sequences of a batch move in step)
+        self.attn_backend = self._decode_backend()
+        self._lens: tuple[tuple[int, int], torch.Tensor] | None = None  # (batch, tokens) -> [B] int32 on the device
+        self._flashinfer = None  # its decode wrapper, made at the first decode step
+        self._flashinfer_plan: tuple[int, int] | None = None  # (batch, tokens) the wrapper is planned for
+
+    def _decode_backend(self) -> str:
+        """Which decode attention this cache runs: in place on CUDA when a kernel can read its format, else a gather.
+        The kernel modules are imported only on CUDA: the CPU never pays for importing triton."""
+        spec = self.spec
+        if spec.device.type != "cuda":
+            return "sdpa-gather"
+        if spec.kv_dtype in FLASHINFER_DTYPES and importlib.util.find_spec("flashinfer") is not None:
+            return "flashinfer"
+        from harness.kv import triton_paged
+
+        reason = triton_paged.kernel_unsupported(spec.kv_dtype, spec.device)
+        if reason is None:
+            return "triton-paged"
+        log.warning("paged %s on %s decodes by gathering the blocks: %s", spec.kv_dtype, spec.device, reason)
+        return "sdpa-gather"
 
     def _rows_per_block(self, tokens_per_row: int) -> int:
         """A part with a row per `tokens_per_row` positions (int4 key scales: per group) keeps its rows in the
@@ -110,8 +139,72 @@ class PagedCache:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
         self._write(layer, k, v, start_pos)
+        if q.shape[2] == 1 and self.attn_backend != "sdpa-gather":  # a decode step: read the blocks in place
+            return self._decode_in_place(layer, q, n_tokens=start_pos + 1).unsqueeze(2)
         k_seq, v_seq = self._gather(layer, start_pos + k.shape[2], q.dtype)
         return attention(q, k_seq, v_seq, start_pos)
+
+    def _decode_in_place(self, layer: int, q: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """q [B, H, 1, D] over the first n_tokens positions of every sequence, through the block table -> [B, H, D]."""
+        batch = q.shape[0]
+        k_pool, v_pool = self.rows["k"][layer], self.rows["v"][layer]  # [N, H_kv, bs, D] each
+        if self.attn_backend == "flashinfer":
+            self._plan_flashinfer(q, n_tokens)
+            return self._flashinfer.run(q[:, :, 0].contiguous(), (k_pool, v_pool))
+        from harness.kv import triton_paged
+
+        scales = {}
+        if self.scales:  # int8/fp8: [N, H_kv, bs, 1] per token -> [N, H_kv, bs]
+            scales = {
+                "k_scale": self.scales["k_scale"][layer][..., 0],
+                "v_scale": self.scales["v_scale"][layer][..., 0],
+            }
+        return triton_paged.paged_decode(
+            q[:, :, 0],
+            k_pool,
+            v_pool,
+            self.table[:batch],
+            self._lengths(batch, n_tokens),
+            block_size=self.block_size,
+            max_len=n_tokens,
+            **scales,
+        )
+
+    def _lengths(self, batch: int, n_tokens: int) -> torch.Tensor:
+        """[B] int32 on the device, every sequence at n_tokens: made once per step, read by every layer."""
+        if self._lens is None or self._lens[0] != (batch, n_tokens):
+            self._lens = (batch, n_tokens), torch.full((batch,), n_tokens, dtype=torch.int32, device=self.spec.device)
+        return self._lens[1]
+
+    def _plan_flashinfer(self, q: torch.Tensor, n_tokens: int) -> None:
+        """FlashInfer plans a decode once per step (its split-K schedule) for the whole batch's page lists (HND
+        layout: a page is [H_kv, page_size, D], which is this pool's block)."""
+        import flashinfer
+
+        batch, n_heads, _, head_dim = q.shape
+        if self._flashinfer is None:
+            workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
+            self._flashinfer = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, kv_layout="HND", use_tensor_cores=n_heads // self.spec.n_kv_heads >= 4
+            )
+        if self._flashinfer_plan == (batch, n_tokens):
+            return
+        n_pages = blocks_for(n_tokens, self.block_size)
+        indptr = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * n_pages  # [B + 1]
+        indices = self.table[:batch, :n_pages].reshape(-1).to(torch.int32)  # [B * n_pages]
+        last_page_len = torch.full((batch,), n_tokens - (n_pages - 1) * self.block_size, dtype=torch.int32)
+        self._flashinfer.plan(
+            indptr,
+            indices,
+            last_page_len.to(q.device),
+            n_heads,
+            self.spec.n_kv_heads,
+            head_dim,
+            self.block_size,
+            q_data_type=q.dtype,
+            kv_data_type=self.pool.dtype,
+        )
+        self._flashinfer_plan = (batch, n_tokens)
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> None:
         """Store k, v [B, H_kv, T, D] at positions start_pos..start_pos+T-1, through the block table."""

@@ -1,0 +1,436 @@
+"""Our decode loop beside transformers' `generate()`: same config, same weights, interleaved rounds (`make bench`).
+
+Same weights: transformers builds the model from the preset's equivalent config with its own seeded init (normal,
+std 0.02) and saves it as safetensors; both loops then load that one directory, ours through
+harness.model.build_model(weights=<dir>). In fp32 both produce the same greedy tokens (tests/test_versus.py), and each
+row's output_digest says whether they did at this point.
+
+The loops of one case, each a closure that runs one whole greedy generation and returns (tokens [B, gen_len], Sample):
+    contiguous        harness.decode.generate over the contiguous cache, timed as harness.bench.run_point times it:
+                      StepTimer marks after the prefill and after every step, a MemoryProbe around the generation
+                      (its NVML sampler thread runs on CUDA)
+    hf-dynamic        transformers' generate() with its default cache (DynamicCache: torch.cat per step)
+    hf-static         generate(cache_implementation="static"): StaticCache, and on CUDA generate() then compiles the
+                      forward itself (mode reduce-overhead, recorded in the `compile` column)
+    contiguous-bare   the first loop with no probe and a timer that stamps only start, end of prefill and end of
+                      decode: what the harness's instruments cost is the gap between the two
+
+Timing transformers: a streamer's put() is called with the prompt before the prefill, then with every new token as
+soon as it is on the host (`tokens.cpu()`, a device sync on CUDA), so perf_counter at each put gives TTFT and every
+step's latency exactly as our Sample holds them. Greedy, no EOS (eos_token_id None), fixed gen_len.
+
+Interleaving: one warm-up generation of each loop, then `rounds` rounds of A B C D. A drift (clocks, heat, a
+neighbour's load on a shared host) then hits every loop alike instead of whichever happened to run during it. The
+figures are medians over the rounds (harness.timing.summarize), the same statistics as every kvbench row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness import kv
+from harness.bench import config_columns, digest, environment_columns, make_prompts, roofline_columns
+from harness.config import DTYPES, RunConfig
+from harness.decode import generate
+from harness.kv.base import CacheSpec
+from harness.model import ModelArgs, Transformer, build_model, weights_bytes
+from harness.probes import MemoryProbe
+from harness.timing import Sample, StepTimer, summarize
+
+log = logging.getLogger(__name__)
+
+OURS = "contiguous"  # the `cache` column of each loop's rows: which loop made it
+BARE = "contiguous-bare"
+HF_CACHES = {"hf-dynamic": None, "hf-static": "static"}  # -> generate()'s cache_implementation; None: its default
+LOOPS = (OURS, *HF_CACHES, BARE)  # the order of every round
+HF_ATTN_IMPLEMENTATION = "sdpa"  # as ours: torch's scaled_dot_product_attention
+WEIGHTS_LABEL = "hf-random"  # the `weights` column: transformers' seeded init, saved once, loaded by both loops
+INIT_STD = 0.02  # transformers' initializer_range default, as GPT-2's init
+
+# The targets of the issue ("a decode loop at the roofline, proven side by side against transformers").
+TARGET_BW_FRACTION = 0.75  # of the measured copy bandwidth, at batch 1 where decode is a stream of the weights
+TARGET_SPEEDUP = 1.5  # over transformers' faster cache
+TARGET_OVERHEAD = 0.02  # probes and step marks against the bare loop
+
+
+# --- the formulas the table prints ----------------------------------------------------------------------------------
+
+
+def bw_fraction(*, bytes_per_step: float, tpot_ms: float, peak_bw_gbps: float | None) -> float | None:
+    """The share of the measured copy bandwidth a loop's step time implies: (bytes / step time) / peak."""
+    if peak_bw_gbps is None or not peak_bw_gbps > 0 or not tpot_ms > 0:
+        return None
+    return bytes_per_step / (tpot_ms * 1e-3) / (peak_bw_gbps * 1e9)
+
+
+def speedup(*, ours_tpot_ms: float, theirs_tpot_ms: float) -> float:
+    """How many times faster our decode step is: their TPOT over ours (> 1: ours is faster)."""
+    return theirs_tpot_ms / ours_tpot_ms
+
+
+def overhead_fraction(*, probed_tpot_ms: float, bare_tpot_ms: float) -> float:
+    """What the instruments add to a step, as a fraction of the bare step (0.01 = 1% slower with them)."""
+    return (probed_tpot_ms - bare_tpot_ms) / bare_tpot_ms
+
+
+# --- same config, same weights --------------------------------------------------------------------------------------
+
+
+def hf_config(args: ModelArgs) -> Any:
+    """transformers' config for these shapes: LlamaConfig, or Qwen2Config when q, k, v carry biases.
+
+    No special tokens: the generation is fixed-length, and an eos id would make min_new_tokens mask its logit.
+    """
+    import transformers
+
+    rope = {"rope_type": "default"} if args.rope_scaling is None else dict(args.rope_scaling)
+    fields = dict(
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        max_position_embeddings=args.max_seq_len,
+        rms_norm_eps=args.norm_eps,
+        rope_parameters=rope | {"rope_theta": args.rope_theta},
+        tie_word_embeddings=args.tie_embeddings,
+        initializer_range=INIT_STD,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    if args.qkv_bias:  # Llama's attention_bias would put a bias on o_proj too; Qwen2 has them on q, k, v only
+        return transformers.Qwen2Config(**fields, use_sliding_window=False)
+    return transformers.LlamaConfig(**fields)
+
+
+def save_checkpoint(args: ModelArgs, directory: str | Path, *, seed: int) -> Path:
+    """transformers' own model for these shapes, seeded init in fp32, saved as safetensors (config.json beside)."""
+    import transformers
+
+    torch.manual_seed(seed)  # transformers' init draws from the global generator
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(args), dtype=torch.float32)
+    model.save_pretrained(directory)  # transformers 5 writes safetensors only
+    return Path(directory)
+
+
+def load_hf_model(directory: str | Path, *, dtype: str, device: torch.device) -> Any:
+    """The saved checkpoint as transformers' model, at the compute dtype, sdpa attention, eval, no gradients."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=DTYPES[dtype], attn_implementation=HF_ATTN_IMPLEMENTATION
+    )
+    model.generation_config = transformers.GenerationConfig(
+        do_sample=False, bos_token_id=None, eos_token_id=None, pad_token_id=None
+    )
+    return model.to(device).eval().requires_grad_(False)
+
+
+def load_our_model(
+    directory: str | Path, *, args: ModelArgs, dtype: str, device: torch.device, n_positions: int
+) -> Transformer:
+    """The same checkpoint as our model: the preset's args, the directory's tensors (read with safetensors)."""
+    return build_model(
+        args, weights=str(directory), dtype=DTYPES[dtype], device=device, seed=0, n_positions=n_positions
+    )
+
+
+# --- timing transformers --------------------------------------------------------------------------------------------
+
+
+class StreamerClock:
+    """A generate() streamer that keeps only the time of each put(): the prompt's, then one per new token."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def sample(self, gen_len: int) -> Sample:
+        """TTFT from the prompt's put to the first token's; a step per later token, as harness.decode times them."""
+        assert len(self.stamps) == gen_len + 1, f"{len(self.stamps)} puts, expected the prompt and {gen_len} tokens"
+        intervals_ms = [(b - a) * 1e3 for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
+        return Sample(ttft_ms=intervals_ms[0], step_ms=intervals_ms[1:])
+
+
+def hf_generate(
+    model: Any, prompt: torch.Tensor, *, gen_len: int, cache_implementation: str | None
+) -> tuple[torch.Tensor, Sample]:
+    """Greedy, fixed-length generate() of gen_len tokens after prompt [B, P] -> (generated ids [B, gen_len], timing)."""
+    clock = StreamerClock()
+    with torch.inference_mode():
+        sequences = model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=gen_len,
+            min_new_tokens=gen_len,
+            do_sample=False,
+            cache_implementation=cache_implementation,
+            streamer=clock,
+        )
+    return sequences[:, prompt.shape[1] :], clock.sample(gen_len)
+
+
+def hf_compile_mode(model: Any) -> str:
+    """The torch.compile mode generate() chose for itself (CUDA and a static cache), else "none"."""
+    if not hasattr(model, "_compiled_call"):
+        return "none"
+    return getattr(getattr(model, "_last_compile_config", None), "mode", None) or "default"
+
+
+# --- our loop, with and without its instruments ---------------------------------------------------------------------
+
+
+class BareTimer:
+    """StepTimer's interface, stamping only start, the end of prefill and the end of decode: nothing per step.
+
+    intervals_ms spreads the decode time evenly over the steps, so a Sample's TPOT is exact and its steps are flat.
+    """
+
+    def __init__(self, device: torch.device, n_marks: int) -> None:
+        assert n_marks >= 2, "a decode needs a step after the prefill"
+        self.cuda = device.type == "cuda"
+        self.n_marks = n_marks
+        if self.cuda:
+            self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        self.stamps = [0.0, 0.0, 0.0]
+        self.n = 0
+
+    def _stamp(self, index: int) -> None:
+        if self.cuda:
+            self.events[index].record()
+        else:
+            self.stamps[index] = time.perf_counter()
+
+    def start(self) -> None:
+        self.n = 0
+        self._stamp(0)
+
+    def mark(self) -> None:
+        self.n += 1
+        if self.n == 1:
+            self._stamp(1)
+        elif self.n == self.n_marks:
+            self._stamp(2)
+
+    def intervals_ms(self) -> list[float]:
+        assert self.n == self.n_marks, f"{self.n} marks, expected {self.n_marks}"
+        if self.cuda:
+            self.events[2].synchronize()
+            ttft_ms, decode_ms = (self.events[i].elapsed_time(self.events[i + 1]) for i in (0, 1))
+        else:
+            ttft_ms, decode_ms = ((self.stamps[i + 1] - self.stamps[i]) * 1e3 for i in (0, 1))
+        n_steps = self.n_marks - 1
+        return [ttft_ms] + [decode_ms / n_steps] * n_steps
+
+
+def our_loop(
+    model: Transformer, cache: Any, prompt: torch.Tensor, *, gen_len: int, probed: bool
+) -> Callable[[], tuple[torch.Tensor, Sample]]:
+    """One generation per call. probed: run_point's instruments (StepTimer, MemoryProbe); else BareTimer alone."""
+    device = prompt.device
+    timer = StepTimer(device, n_marks=gen_len) if probed else BareTimer(device, n_marks=gen_len)
+
+    def run_once() -> tuple[torch.Tensor, Sample]:
+        if not probed:
+            generated, sample = generate(model, cache, prompt, gen_len, timer)
+            cache.release()
+            return generated, sample
+        probe = MemoryProbe(device)  # a sampler thread starts once per probe, so one probe per generation
+        probe.baseline()
+        with probe:
+            probe.begin_timed()
+            generated, sample = generate(model, cache, prompt, gen_len, timer)
+            probe.end_timed(n_tokens=prompt.shape[0] * gen_len)
+        cache.release()
+        return generated, sample
+
+    return run_once
+
+
+# --- interleaving ---------------------------------------------------------------------------------------------------
+
+
+def interleave(loops: dict[str, Callable[[], Any]], *, rounds: int, warmup: int = 1) -> dict[str, list[Any]]:
+    """`warmup` untimed rounds, then `rounds` rounds; each round calls every loop once, in the dict's order.
+
+    Returns each loop's results from the measured rounds, in round order.
+    """
+    for _ in range(warmup):
+        for run_once in loops.values():
+            run_once()
+    measured: dict[str, list[Any]] = {name: [] for name in loops}
+    for round_index in range(rounds):
+        for name, run_once in loops.items():
+            measured[name].append(run_once())
+        log.info("round %d/%d done", round_index + 1, rounds)
+    return measured
+
+
+def point_id(cfg: RunConfig, *, loop: str) -> str:
+    """Unique per loop and config, and apart from a `make run` row of the same config (a different measurement)."""
+    return hashlib.sha256(f"bench|{cfg.point_id()}|{loop}".encode()).hexdigest()[:16]
+
+
+def measure_case(cfg: RunConfig, *, our_model: Transformer, hf_model: Any, rounds: int, warmup: int = 1) -> list[dict]:
+    """One case (preset, dtype, batch, lengths): every loop interleaved; a row per loop, in LOOPS order."""
+    device = cfg.torch_device()
+    args = cfg.model_args()
+    prompt = make_prompts(cfg, vocab_size=args.vocab_size).to(device)
+    spec = CacheSpec.for_model(
+        args,
+        batch_size=cfg.batch_size,
+        max_tokens=cfg.prompt_len + cfg.gen_len,
+        kv_dtype=cfg.kv_dtype_name,
+        device=device,
+        dtype=cfg.dtype,
+    )
+    cache = kv.build(OURS, spec, {})
+    loops = {
+        OURS: our_loop(our_model, cache, prompt, gen_len=cfg.gen_len, probed=True),
+        **{
+            name: _hf_loop(hf_model, prompt, gen_len=cfg.gen_len, cache_implementation=implementation)
+            for name, implementation in HF_CACHES.items()
+        },
+        BARE: our_loop(our_model, cache, prompt, gen_len=cfg.gen_len, probed=False),
+    }
+    measured = interleave(loops, rounds=rounds, warmup=warmup)
+    rows = []
+    for name in loops:
+        tokens = measured[name][-1][0]
+        is_hf = name in HF_CACHES
+        row = loop_row(cfg, loop=name, samples=[sample for _, sample in measured[name]], tokens=tokens)
+        row |= {
+            "runner": "transformers" if is_hf else "kvbench",
+            "compile": hf_compile_mode(hf_model) if HF_CACHES.get(name) == "static" else cfg.compile,
+            "weights_bytes": weights_bytes(hf_model if is_hf else our_model),
+        }
+        if not is_hf:  # transformers' caches are not ours to measure; its static one holds as many bytes
+            row["kv_bytes_allocated"] = cache.kv_bytes_allocated()
+        rows.append(row)
+    return rows
+
+
+def _hf_loop(model: Any, prompt: torch.Tensor, *, gen_len: int, cache_implementation: str | None):
+    return lambda: hf_generate(model, prompt, gen_len=gen_len, cache_implementation=cache_implementation)
+
+
+def loop_row(cfg: RunConfig, *, loop: str, samples: list[Sample], tokens: torch.Tensor) -> dict:
+    """A kvbench row for one loop: config, environment, latency and roofline columns, the analytic bytes being the
+    contiguous cache's for every loop (the ideal any loop could reach at this point)."""
+    device = cfg.torch_device()
+    row = config_columns(cfg) | environment_columns(device)
+    row |= summarize(samples, batch_size=cfg.batch_size, prompt_len=cfg.prompt_len)
+    row |= roofline_columns(cfg, args=cfg.model_args(), tpot_ms=row["tpot_ms"], ttft_ms=row["ttft_ms"])
+    return row | {
+        "point_id": point_id(cfg, loop=loop),
+        "cache": loop,
+        "weights": WEIGHTS_LABEL,
+        "attn_backend": HF_ATTN_IMPLEMENTATION,
+        "output_digest": digest(tokens),
+        "status": "ok",
+    }
+
+
+# --- the table ------------------------------------------------------------------------------------------------------
+
+
+def case_verdict(rows: list[dict]) -> dict:
+    """One case's comparisons from its rows (LOOPS order): speedups, bandwidth shares, overhead, the targets."""
+    by_loop = {row["cache"]: row for row in rows}
+    ours, bare = by_loop[OURS], by_loop[BARE]
+    best_hf = min((by_loop[name] for name in HF_CACHES), key=lambda row: row["tpot_ms"])
+    best_speedup = speedup(ours_tpot_ms=ours["tpot_ms"], theirs_tpot_ms=best_hf["tpot_ms"])
+    overhead = overhead_fraction(probed_tpot_ms=ours["tpot_ms"], bare_tpot_ms=bare["tpot_ms"])
+    ours_bw = bw_fraction(
+        bytes_per_step=ours["bytes_per_step"], tpot_ms=ours["tpot_ms"], peak_bw_gbps=ours["peak_bw_gbps"]
+    )
+    return {
+        "best_hf": best_hf["cache"],
+        "speedup_vs_best": best_speedup,
+        "overhead": overhead,
+        "ours_bw_fraction": ours_bw,
+        "same_tokens_as_hf": all(by_loop[name]["output_digest"] == ours["output_digest"] for name in HF_CACHES),
+        # Only batch 1 is held to the bandwidth target: larger batches add compute per weight byte read.
+        "meets_bw": None if ours["batch_size"] != 1 or ours_bw is None else ours_bw >= TARGET_BW_FRACTION,
+        "meets_speedup": best_speedup >= TARGET_SPEEDUP,
+        "meets_overhead": overhead <= TARGET_OVERHEAD,
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    """Every loop of every case (tokens/s, TPOT, TTFT, ours/theirs, share of copy bandwidth), then the targets.
+
+    A case is (model, dtype, batch); one run holds one prompt_len and gen_len, said once under the table.
+    """
+    cases: dict[tuple[str, str, int], list[dict]] = {}
+    for row in rows:
+        cases.setdefault((row["model"], row["dtype"], row["batch_size"]), []).append(row)
+
+    def case_label(case: tuple[str, str, int]) -> str:
+        model, dtype, batch = case
+        return f"{model:<8}{dtype:<6}{batch:>6}  "
+
+    lines = [
+        f"{case_label(('model', 'dtype', 'batch'))}{'runner':<13}{'cache':<16}{'tok/s':>9}{'TPOT ms':>10}"
+        f"{'TTFT ms':>10}{'ours/this':>10}{'copy BW':>9}{'TPOT cv':>9}"
+    ]
+    for case, case_rows in cases.items():
+        ours = next(row for row in case_rows if row["cache"] == OURS)
+        for row in case_rows:
+            ratio = speedup(ours_tpot_ms=ours["tpot_ms"], theirs_tpot_ms=row["tpot_ms"])
+            share = bw_fraction(
+                bytes_per_step=row["bytes_per_step"], tpot_ms=row["tpot_ms"], peak_bw_gbps=row["peak_bw_gbps"]
+            )
+            lines.append(
+                f"{case_label(case)}{row['runner']:<13}{row['cache']:<16}{row['decode_tok_s']:>9.1f}"
+                f"{row['tpot_ms']:>10.2f}{row['ttft_ms']:>10.1f}{ratio:>9.2f}x{_percent(share):>9}{_percent(row.get('tpot_cv'), digits=1):>9}"
+            )
+    first = rows[0] if rows else {}
+    lines += [
+        "",
+        f"prompt {first.get('prompt_len')}, gen {first.get('gen_len')}; medians over {first.get('repeats')} "
+        f"interleaved rounds; copy BW = bytes_per_step / TPOT over the measured copy bandwidth "
+        f"({_gbps(first.get('peak_bw_gbps'))}); ours/this = our tok/s / this loop's (its TPOT / our TPOT); TPOT cv = "
+        "the rounds' spread (std / mean): a difference smaller than it is noise",
+        "",
+        f"{case_label(('model', 'dtype', 'batch'))}{'>=75% copy BW (b1)':<20}{'>=1.5x HF best':<24}"
+        f"{'overhead <=2%':<18}{'same tokens as HF'}",
+    ]
+    for case, case_rows in cases.items():
+        verdict = case_verdict(case_rows)
+        bw = (
+            "-"
+            if verdict["meets_bw"] is None
+            else f"{_yes(verdict['meets_bw'])} ({_percent(verdict['ours_bw_fraction'])})"
+        )
+        best = f"{_yes(verdict['meets_speedup'])} ({verdict['speedup_vs_best']:.2f}x {verdict['best_hf']})"
+        overhead = f"{_yes(verdict['meets_overhead'])} ({100 * verdict['overhead']:+.1f}%)"
+        lines.append(f"{case_label(case)}{bw:<20}{best:<24}{overhead:<18}{_yes(verdict['same_tokens_as_hf'])}")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _percent(fraction: float | None, *, digits: int = 0) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.{digits}f}%"
+
+
+def _gbps(value: float | None) -> str:
+    return "not measured" if value is None else f"{value:.1f} GB/s"
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"

@@ -1,0 +1,98 @@
+"""`compile`: the decode step under torch.compile at static shapes, and the combinations it refuses.
+
+The static-shape attention (the whole buffer under a length mask, the position a tensor) is checked eagerly against
+the sliced one; the compiled step itself needs a C++ compiler on the CPU (inductor's code generator), so that test is
+skipped, with the reason, where none is found. CUDA graphs (reduce-overhead) run in tests/test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from harness import kv
+from harness.bench import run_point
+from harness.config import RunConfig
+from harness.decode import compile_decode_step, generate
+from harness.kv.base import CacheSpec
+from harness.runner import _guarded
+from harness.timing import StepTimer
+
+CPU = torch.device("cpu")
+FAST = dict(warmup=1, min_repeats=1, max_repeats=1, isolate=False, roofline=False, profile=False, accuracy=False)
+has_cxx = pytest.mark.skipif(
+    not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")),
+    reason="torch.compile on the CPU needs a C++ compiler (g++, c++ or clang++) on PATH",
+)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8", "fp8_e4m3"])
+def test_static_shape_attention_over_the_masked_buffer_equals_the_sliced_one(tiny_args, kv_dtype):
+    spec = CacheSpec.for_model(tiny_args, batch_size=2, max_tokens=24, kv_dtype=kv_dtype, device=CPU)
+    sliced, static = kv.build("contiguous", spec, {}), kv.build("contiguous", spec, {})
+    static.enable_static_decode()
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim = tiny_args.n_heads, tiny_args.n_kv_heads, tiny_args.head_dim
+    prompt = {
+        name: torch.randn(2, h, 10, dim, generator=gen) for name, h in (("q", heads), ("k", kv_heads), ("v", kv_heads))
+    }
+    for cache in (sliced, static):
+        cache.prepare(0, 10)
+        cache.attend(0, prompt["q"], prompt["k"], prompt["v"], 0)
+    for pos in range(10, 14):
+        q, k, v = (torch.randn(2, h, 1, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+        sliced.prepare(pos, 1)
+        expected = sliced.attend(0, q, k, v, pos)
+        static.prepare(pos, 1)
+        actual = static.attend(0, q, k, v, torch.tensor([pos]))
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    assert static.attn_backend == "sdpa-masked" and sliced.attn_backend == "sdpa"
+
+
+@pytest.mark.slow
+@has_cxx
+def test_compile_default_generates_the_same_tokens_as_eager(tiny_model, tiny_args):
+    spec = CacheSpec.for_model(tiny_args, batch_size=2, max_tokens=16 + 4, kv_dtype="fp32", device=CPU)
+    prompt = torch.randint(tiny_args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    eager, _ = generate(tiny_model, kv.build("contiguous", spec, {}), prompt, 4, StepTimer(CPU, n_marks=4))
+    cache = kv.build("contiguous", spec, {})
+    step = compile_decode_step(tiny_model, cache, mode="default")
+    torch._dynamo.reset()  # count this step's compilations alone
+    compiled, _ = generate(tiny_model, cache, prompt, 4, StepTimer(CPU, n_marks=4), step=step)
+    cache.release()
+    again, _ = generate(tiny_model, cache, prompt, 4, StepTimer(CPU, n_marks=4), step=step)
+    assert torch.equal(compiled, eager) and torch.equal(again, eager)
+    # Static shapes: one graph for every step of both generations, never a recompile per position.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.slow
+@has_cxx
+def test_a_compiled_point_records_its_mode_and_backend_and_the_eager_tokens():
+    point = dict(model={"name": "tiny"}, device="cpu", dtype="fp32", prompt_len=8, gen_len=4, **FAST)
+    eager = run_point(RunConfig(**point))
+    compiled = run_point(RunConfig(**point, compile="default"))
+    assert compiled["status"] == "ok" and compiled["compile"] == "default"
+    assert compiled["attn_backend"] == "sdpa-masked" and eager["attn_backend"] == "sdpa"
+    assert compiled["output_digest"] == eager["output_digest"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        ({"cache": {"name": "paged"}}, "no static-shape decode step"),
+        ({"cache": {"name": "sliding", "window": 8}}, "no static-shape decode step"),
+        ({"cache": {"name": "none"}}, "no static-shape decode step"),
+        ({"cache": {"name": "prefix"}}, "no static-shape decode step"),
+        ({"kv_dtype": "int4", "kv_group_size": 32, "model": {"name": "small"}}, "int4"),
+        ({"compile": "reduce-overhead"}, "CUDA graphs"),
+        ({"warmup": 0}, "fewer than the 3"),
+        ({"gen_len": 3}, "fewer than the 3"),  # one warm-up generation of 2 decode steps
+    ],
+)
+def test_a_combination_compile_cannot_run_is_an_unsupported_row(overrides, reason):
+    point = dict(model={"name": "tiny"}, device="cpu", prompt_len=8, gen_len=4, compile="default") | FAST | overrides
+    row = _guarded(RunConfig(**point))
+    assert row["status"] == "unsupported" and reason in row["error"], row.get("error")

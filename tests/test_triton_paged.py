@@ -1,0 +1,247 @@
+"""The paged decode kernel (harness.kv.triton_paged): its torch reference against attention over the gathered K/V, and
+the Triton kernel against both, on random block tables, ragged lengths, GQA groups 1/4/8, head_dim 64/128, and every
+storage format the kernel reads (plain, int8, fp8 with their per-token scales).
+
+Without a GPU the kernel runs in Triton's interpreter on CPU tensors: TRITON_INTERPRET=1 must be set when the kernel
+module is imported (the decorator reads it) and while it runs (Triton reads it again on the way), so it is set here
+around that import and, by a fixture, around each test; never for the whole session, where it would turn a GPU run's
+kernels into interpreted ones. With a GPU the same tests run the compiled kernel on CUDA tensors. Skipped, with the
+reason, where triton is not installed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from harness import kv
+from harness.decode import generate
+from harness.kv.base import CacheSpec, attention
+from harness.kv.quant import token_codec
+from harness.model import build_model
+from harness.timing import StepTimer
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+
+def _import_kernel_module():
+    if CUDA:
+        from harness.kv import triton_paged
+
+        return triton_paged
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from harness.kv import triton_paged
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    return triton_paged
+
+
+triton_paged = _import_kernel_module()
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+needs_triton = pytest.mark.skipif(not triton_paged.available(), reason=triton_paged.UNAVAILABLE or "")
+needs_kernel_here = pytest.mark.skipif(
+    not CUDA and not triton_paged.INTERPRETED,
+    reason="harness.kv.triton_paged was imported before TRITON_INTERPRET=1 was set: run this module on its own",
+)
+
+# Storage formats and how far the kernel may sit from attention over the dequantized K/V, relative to the output's
+# scale. fp32: accumulation order only. fp16/bf16: the dot operands and the probabilities are rounded to 11 and 8
+# significant bits. int8/fp8: besides that, the reference dequantizes into the query's dtype before its dot products,
+# the kernel scales fp32 scores instead.
+TOLERANCE = {"fp32": 1e-5, "fp16": 4e-3, "bf16": 3e-2, "int8": 1e-5, "fp8_e4m3": 1e-5, "fp8_e5m2": 1e-5}
+COMPUTE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def paged_case(*, batch, n_kv_heads, group, head_dim, lens, block_size, kv_dtype, compute, seed=0):
+    """Random K/V stored in `kv_dtype` into a pool through a shuffled block table, a query per sequence, and the
+    oracle's answer: harness.kv.base.attention over each sequence's K/V gathered and decoded."""
+    gen = torch.Generator().manual_seed(seed)
+    max_len = max(lens)
+    blocks_per_seq = math.ceil(max_len / block_size)
+    n_blocks = batch * blocks_per_seq + 3  # a few spare blocks nobody owns
+    table = torch.randperm(n_blocks, generator=gen)[: batch * blocks_per_seq].view(batch, blocks_per_seq)
+    codec = token_codec(kv_dtype)
+    pool = {side: codec.alloc((n_blocks, n_kv_heads, block_size, head_dim), torch.device("cpu")) for side in "kv"}
+    q = torch.randn(batch, n_kv_heads * group, head_dim, generator=gen).to(compute)
+    expected = []
+    for b, n in enumerate(lens):
+        kv = {side: torch.randn(n_kv_heads, n, head_dim, generator=gen) for side in "kv"}
+        pos = torch.arange(n)
+        blocks, slots = table[b, pos // block_size], pos % block_size
+        for side in "kv":
+            for part, rows in codec.encode(kv[side]).items():  # rows [H_kv, n, width]
+                pool[side][part][blocks, :, slots] = rows.transpose(0, 1)
+        stored = {  # what the cache would read back: [1, H_kv, n, D] in the compute dtype
+            side: codec.decode(
+                {part: t[blocks, :, slots].transpose(0, 1) for part, t in pool[side].items()}, compute
+            ).unsqueeze(0)
+            for side in "kv"
+        }
+        expected.append(attention(q[b, None, :, None], stored["k"], stored["v"], start_pos=n - 1)[0, :, 0])
+    scales = {}
+    if "scale" in pool["k"]:
+        scales = {"k_scale": pool["k"]["scale"][..., 0].to(DEVICE), "v_scale": pool["v"]["scale"][..., 0].to(DEVICE)}
+    inputs = dict(
+        q=q.to(DEVICE),
+        k_pool=pool["k"]["data"].to(DEVICE),
+        v_pool=pool["v"]["data"].to(DEVICE),
+        table=table.to(DEVICE),
+        lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        block_size=block_size,
+        **scales,
+    )
+    return inputs, torch.stack(expected).to(DEVICE)
+
+
+def assert_close(actual, expected, kv_dtype):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    error = (actual.float() - expected.float()).abs().max().item()
+    assert error <= TOLERANCE[kv_dtype] * expected.float().abs().max().item() + 1e-6, error
+
+
+FORMATS = [("fp32", "fp32"), ("fp16", "fp16"), ("bf16", "bf16"), ("int8", "fp32"), ("fp8_e4m3", "fp32")]
+
+
+@pytest.mark.parametrize(("kv_dtype", "compute"), [*FORMATS, ("int8", "bf16"), ("fp8_e5m2", "fp16")])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_the_reference_matches_attention_over_the_gathered_kv(kv_dtype, compute, group):
+    inputs, expected = paged_case(
+        batch=3, n_kv_heads=2, group=group, head_dim=64, lens=[37, 1, 70], block_size=16,
+        kv_dtype=kv_dtype, compute=COMPUTE[compute],
+    )  # fmt: skip
+    tolerance = kv_dtype if compute == "fp32" else compute
+    assert_close(triton_paged.paged_decode_reference(**inputs), expected, tolerance)
+
+
+@needs_triton
+@needs_kernel_here
+@pytest.mark.parametrize(("kv_dtype", "compute"), FORMATS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_the_kernel_matches_attention_over_the_gathered_kv(kv_dtype, compute, head_dim, group):
+    inputs, expected = paged_case(
+        batch=3, n_kv_heads=2, group=group, head_dim=head_dim, lens=[37, 1, 70], block_size=16,
+        kv_dtype=kv_dtype, compute=COMPUTE[compute],
+    )  # fmt: skip
+    assert_close(triton_paged.paged_decode(**inputs, max_len=70, n_splits=1), expected, kv_dtype)
+
+
+@needs_triton
+@needs_kernel_here
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8", "fp8_e4m3"])
+def test_split_k_merges_to_the_same_output_even_with_splits_past_a_short_sequence(kv_dtype):
+    inputs, expected = paged_case(
+        batch=2, n_kv_heads=2, group=4, head_dim=64, lens=[150, 20], block_size=16, kv_dtype=kv_dtype,
+        compute=torch.float32,
+    )  # fmt: skip
+    # max_len 200 in 4 splits of 64 positions: split 3 is past sequence 0 (150 tokens), splits 1-3 past sequence 1.
+    assert_close(triton_paged.paged_decode(**inputs, max_len=200, n_splits=4), expected, kv_dtype)
+
+
+@needs_triton
+@needs_kernel_here
+def test_the_kernel_reads_a_contiguous_buffer_as_one_block_per_sequence():
+    inputs, expected = paged_case(
+        batch=2, n_kv_heads=2, group=4, head_dim=64, lens=[45, 45], block_size=45, kv_dtype="int8",
+        compute=torch.float32,
+    )  # fmt: skip
+    # A [B, H_kv, S_max, D] buffer is a pool of B blocks of S_max tokens; the table is [[0], [1]].
+    order = inputs["table"][:, 0].long()
+    contiguous = {name: inputs[name][order] for name in ("k_pool", "v_pool", "k_scale", "v_scale")}
+    table = torch.arange(2, device=DEVICE)[:, None]
+    out = triton_paged.paged_decode(
+        inputs["q"], **contiguous, table=table, lens=inputs["lens"], block_size=45, max_len=45, n_splits=1
+    )
+    assert_close(out, expected, "int8")
+
+
+@needs_triton
+@needs_kernel_here
+def test_the_kernel_agrees_with_the_reference_on_bf16_storage_with_fp32_queries():
+    inputs, _ = paged_case(
+        batch=2, n_kv_heads=1, group=8, head_dim=64, lens=[33, 64], block_size=8, kv_dtype="bf16",
+        compute=torch.bfloat16,
+    )  # fmt: skip
+    inputs["q"] = inputs["q"].float()  # an fp32 model over bf16 K/V: the dot runs in fp32
+    reference = triton_paged.paged_decode_reference(**inputs)
+    assert_close(triton_paged.paged_decode(**inputs, max_len=64, n_splits=2), reference, "fp32")
+
+
+def test_split_count_fills_the_device_but_keeps_splits_long():
+    cpu = torch.device("cpu")  # one "SM": a single split
+    assert triton_paged.split_count(batch=1, n_kv_heads=8, max_len=8192, device=cpu) == 1
+    assert triton_paged.split_count(batch=1, n_kv_heads=1, max_len=100, device=cpu) == 1
+
+
+# --- the caches wired to the kernel: what CUDA runs (without a GPU, through the interpreter) ----------------------
+
+
+@pytest.fixture(scope="module")
+def model(tiny_args):
+    return build_model(tiny_args, weights="dummy", dtype=torch.float32, device=DEVICE, seed=0, n_positions=64)
+
+
+def tiny_prompt(vocab_size: int) -> torch.Tensor:
+    return torch.randint(vocab_size, (2, 21), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+
+
+@needs_triton
+@needs_kernel_here
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8", "fp8_e4m3"])
+def test_the_paged_cache_reading_blocks_in_place_generates_the_gather_tokens(model, tiny_args, kv_dtype):
+    spec = CacheSpec.for_model(tiny_args, batch_size=2, max_tokens=21 + 6, kv_dtype=kv_dtype, device=DEVICE)
+    prompt = tiny_prompt(tiny_args.vocab_size)
+    gathered = kv.build("paged", spec, {"block_size": 4})
+    in_place = kv.build("paged", spec, {"block_size": 4})
+    gathered.attn_backend = "sdpa-gather"  # what the CPU runs
+    in_place.attn_backend = "triton-paged"  # what CUDA runs: decode steps go to the kernel
+    expected, _ = generate(model, gathered, prompt, 6, StepTimer(DEVICE, n_marks=6))
+    actual, _ = generate(model, in_place, prompt, 6, StepTimer(DEVICE, n_marks=6))
+    assert torch.equal(actual, expected)
+
+
+@needs_triton
+@needs_kernel_here
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e5m2"])
+def test_the_contiguous_cache_dequantizing_in_the_kernel_generates_the_sdpa_tokens(model, tiny_args, kv_dtype):
+    spec = CacheSpec.for_model(tiny_args, batch_size=2, max_tokens=21 + 6, kv_dtype=kv_dtype, device=DEVICE)
+    prompt = tiny_prompt(tiny_args.vocab_size)
+    sliced, fused = kv.build("contiguous", spec, {}), kv.build("contiguous", spec, {})
+    sliced.fused_dequant, fused.fused_dequant = False, True  # the CPU's dequantize-then-SDPA, and CUDA's kernel
+    expected, _ = generate(model, sliced, prompt, 6, StepTimer(DEVICE, n_marks=6))
+    actual, _ = generate(model, fused, prompt, 6, StepTimer(DEVICE, n_marks=6))
+    assert torch.equal(actual, expected)
+
+
+@needs_triton
+@needs_kernel_here
+def test_static_shape_decode_through_the_kernel_reads_its_length_from_the_position_tensor(tiny_args):
+    spec = CacheSpec.for_model(tiny_args, batch_size=2, max_tokens=40, kv_dtype="int8", device=DEVICE)
+    sliced, fused = kv.build("contiguous", spec, {}), kv.build("contiguous", spec, {})
+    sliced.fused_dequant, fused.fused_dequant = False, True
+    fused.enable_static_decode()
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim = tiny_args.n_heads, tiny_args.n_kv_heads, tiny_args.head_dim
+    for pos in range(0, 12):
+        q, k, v = (torch.randn(2, h, 1, dim, generator=gen).to(DEVICE) for h in (heads, kv_heads, kv_heads))
+        sliced.prepare(pos, 1)
+        expected = sliced.attend(0, q, k, v, pos)
+        fused.prepare(pos, 1)
+        actual = fused.attend(0, q, k, v, torch.tensor([pos], device=DEVICE))
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
