@@ -34,17 +34,7 @@ def run_point(cfg: RunConfig) -> dict:
     args = cfg.model_args()
     row = config_columns(cfg) | environment_columns(device)
 
-    spec = CacheSpec.for_model(
-        args,
-        batch_size=cfg.batch_size,
-        max_tokens=cfg.prompt_len + cfg.gen_len,
-        kv_dtype=cfg.kv_dtype_name,
-        device=device,
-        kv_group_size=cfg.kv_group_size,
-        kv_residual=cfg.kv_residual,
-        prefix_len=cfg.prefix_len,
-        dtype=cfg.dtype,
-    )
+    spec = cache_spec(cfg)
     if cfg.lengths == "mixed":  # an allocation measurement: no model, no timing
         return row | fragmentation.waste_columns(cfg, spec) | {"status": "ok"}
     probe = MemoryProbe(device)
@@ -134,6 +124,21 @@ def run_point(cfg: RunConfig) -> dict:
     row["output_digest"] = digest(outputs[-1])
     row["status"] = "ok"
     return row
+
+
+def cache_spec(cfg: RunConfig) -> CacheSpec:
+    """The cache a point needs: its model's KV layout for batch_size sequences of prompt_len + gen_len tokens."""
+    return CacheSpec.for_model(
+        cfg.model_args(),
+        batch_size=cfg.batch_size,
+        max_tokens=cfg.prompt_len + cfg.gen_len,
+        kv_dtype=cfg.kv_dtype_name,
+        device=cfg.torch_device(),
+        kv_group_size=cfg.kv_group_size,
+        kv_residual=cfg.kv_residual,
+        prefix_len=cfg.prefix_len,
+        dtype=cfg.dtype,
+    )
 
 
 def roofline_columns(cfg: RunConfig, *, args, tpot_ms: float | None, ttft_ms: float | None = None) -> dict:

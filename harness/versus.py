@@ -36,10 +36,9 @@ from typing import Any
 import torch
 
 from harness import kv
-from harness.bench import config_columns, digest, environment_columns, make_prompts, roofline_columns
+from harness.bench import cache_spec, config_columns, digest, environment_columns, make_prompts, roofline_columns
 from harness.config import DTYPES, RunConfig
 from harness.decode import generate
-from harness.kv.base import CacheSpec
 from harness.model import ModelArgs, Transformer, build_model, weights_bytes
 from harness.probes import MemoryProbe
 from harness.timing import Sample, StepTimer, summarize
@@ -291,15 +290,7 @@ def measure_case(cfg: RunConfig, *, our_model: Transformer, hf_model: Any, round
     device = cfg.torch_device()
     args = cfg.model_args()
     prompt = make_prompts(cfg, vocab_size=args.vocab_size).to(device)
-    spec = CacheSpec.for_model(
-        args,
-        batch_size=cfg.batch_size,
-        max_tokens=cfg.prompt_len + cfg.gen_len,
-        kv_dtype=cfg.kv_dtype_name,
-        device=device,
-        dtype=cfg.dtype,
-    )
-    cache = kv.build(OURS, spec, {})
+    cache = kv.build(OURS, cache_spec(cfg), {})
     loops = {
         OURS: our_loop(our_model, cache, prompt, gen_len=cfg.gen_len, probed=True),
         **{
