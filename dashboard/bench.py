@@ -1,10 +1,12 @@
 """How fast each dashboard page renders over many rows (the target: 100k rows, every page under 3 s).
 
 A benchmark, not a test: it prints figures and never fails on time alone. The rows are the committed reference rows
-replicated to --rows (distinct point and sweep ids, so filters and tables see them all), written as one parquet file.
+replicated to --rows (distinct point and sweep ids, so filters and tables see them all; each copy's timings scaled by
+its own random factor, so the charts draw 100k distinct points), written as one parquet file.
 Each page is timed twice through Streamlit's AppTest (the script run: loading, filtering, building every figure):
 cold (the first page also pays for reading the file; the loaders are cached after that) and warm (a rerun, as when
-a filter changes). With --browser, each page is also timed in headless chromium, until its charts have drawn.
+a filter changes). With --browser, each page is also timed in headless chromium, until its charts have drawn, and
+again over 100 rows: that floor (page load, websocket, first run) is what any page costs in that browser here.
 
     python -m dashboard.bench                    # = make bench-dashboard
     python -m dashboard.bench --rows 20000 --browser
@@ -19,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -27,6 +30,15 @@ from dashboard import browser
 from harness import results
 
 TARGET_S = 3.0  # the issue's budget per page at 100k rows
+FLOOR_ROWS = 100  # the browser's floor: the same page over this many rows (page load, websocket, first script run)
+JITTERED = (  # measured columns the synthetic copies vary (TPOT and throughput stay consistent: both scale)
+    "ttft_ms",
+    "tpot_ms",
+    "e2e_ms",
+    "achieved_tflops",
+    "achieved_bw_gbps",
+    "prefill_achieved_tflops",
+)
 
 
 def synthetic_rows(n_rows: int, *, source: Path = browser.REPO / "results" / "reference") -> pd.DataFrame:
@@ -40,6 +52,12 @@ def synthetic_rows(n_rows: int, *, source: Path = browser.REPO / "results" / "re
     index = pd.Series(range(n_rows), index=rows.index)
     rows["point_id"] = "bench" + index.astype(str).str.zfill(7)
     rows["sweep_id"] = "bench-sweep-" + (index // 1000).astype(str).str.zfill(3)
+    # Each copy's measurements scaled by its own factor in [0.8, 1.2): 100k distinct points for the charts to draw,
+    # not 70 points drawn on top of each other a thousand times.
+    factor = np.random.default_rng(0).uniform(0.8, 1.2, size=n_rows)
+    for column in JITTERED:
+        if column in rows.columns:
+            rows[column] = rows[column] * factor
     return rows
 
 
@@ -84,13 +102,24 @@ def main(argv: list[str] | None = None) -> int:
         if args.browser:
             for report in browser.visit_all(tmp):
                 next(line for line in lines if line["page"] == report.name)["browser_s"] = report.seconds
-    print(f"\n{'page':<12} {'cold s':>7} {'warm s':>7} {'browser s':>10}  under {TARGET_S:.0f} s")
+    if args.browser:
+        with tempfile.TemporaryDirectory() as tmp:
+            write_rows(synthetic_rows(FLOOR_ROWS), Path(tmp))
+            for report in browser.visit_all(tmp):
+                next(line for line in lines if line["page"] == report.name)["floor_s"] = report.seconds
+    print(f"\n{'page':<12} {'cold s':>7} {'warm s':>7} {'browser s':>10} {'floor s':>8}  server under {TARGET_S:.0f} s")
     for line in lines:
         browser_s = f"{line['browser_s']:10.2f}" if "browser_s" in line else f"{'-':>10}"
-        worst = max(line["warm_s"], line.get("browser_s", 0.0))
+        floor_s = f"{line['floor_s']:8.2f}" if "floor_s" in line else f"{'-':>8}"
+        worst = max(line["cold_s"], line["warm_s"])
         verdict = "error: " + line["errors"][0] if line["errors"] else ("yes" if worst < TARGET_S else "NO")
-        print(f"{line['page']:<12} {line['cold_s']:7.2f} {line['warm_s']:7.2f} {browser_s}  {verdict}")
-    print("cold: first run of the page (the first page also reads the file); warm: a rerun, e.g. a filter change")
+        print(f"{line['page']:<12} {line['cold_s']:7.2f} {line['warm_s']:7.2f} {browser_s} {floor_s}  {verdict}")
+    print(
+        "cold: the page's first script run (the first page also reads the file); warm: a rerun, as on a filter "
+        "change.\nbrowser: headless chromium, from navigation until the script has finished and every chart has "
+        f"drawn; floor: the same over {FLOOR_ROWS} rows (page load, websocket, first run): what the rows add is "
+        "browser - floor."
+    )
     return 1 if any(line["errors"] for line in lines) else 0
 
 

@@ -34,6 +34,7 @@ DEFAULT_PAGE = "overview"  # st.navigation serves the default page at "/", not a
 EXCEPTION = '[data-testid="stException"]'
 PLOTLY = '[data-testid="stPlotlyChart"] .js-plotly-plot'
 RUNNING = '[data-testid="stStatusWidget"]'  # present while the script runs ("Running...")
+CHROMIUM_FLAGS = os.environ.get("KVBENCH_CHROMIUM_FLAGS", "--disable-gpu").split()
 VIEWPORT = {"width": 1400, "height": 1000}
 
 
@@ -94,7 +95,7 @@ class PageReport:
     charts: int  # rendered plotly charts
     errors: list[str] = field(default_factory=list)  # the text of every Streamlit exception element
     screenshot: Path | None = None
-    seconds: float = 0.0  # navigation until the script finished and its charts rendered
+    seconds: float = 0.0  # navigation until the script had finished and its charts had drawn
 
     @property
     def ok(self) -> bool:
@@ -110,7 +111,7 @@ def chromium() -> Iterator[object]:
         raise FileNotFoundError(f"{CHROMIUM} not found: apt-get install -y chromium (or set KVBENCH_CHROMIUM)")
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"]
+            executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-dev-shm-usage", *CHROMIUM_FLAGS]
         )
         try:
             yield browser
@@ -137,7 +138,8 @@ def visit(browser, url: str, name: str, *, screenshot: Path | None = None, timeo
             else:
                 settled_since = None
             page.wait_for_timeout(200)
-        seconds = time.monotonic() - started
+        # Rendered: when the page first settled (the second of confirmation after it is not part of its time).
+        seconds = (settled_since or time.monotonic()) - started
         errors = [text.strip() for text in page.locator(EXCEPTION).all_inner_texts()]
         report = PageReport(name=name, charts=page.locator(PLOTLY).count(), errors=errors, seconds=seconds)
         if screenshot is not None:

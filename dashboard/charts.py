@@ -22,6 +22,7 @@ from plotly.colors import qualitative
 
 from harness.crossover import GROUP as KNEE_GROUP
 from harness.crossover import knee_batch, knee_table
+from harness.spec import spec_for
 
 GIB_BYTES = 2**30
 MIB_BYTES = 2**20
@@ -30,12 +31,25 @@ LOG2_DTICK = math.log10(2)  # a log axis with this dtick ticks at 1, 2, 4, 8, ..
 PALETTE = qualitative.Plotly
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "cross", "star", "hexagon", "triangle-down", "pentagon")
 NO_OK_ROWS = "no ok rows"
+NO_BATCH_SWEEP = "no batch sweep: every config here was measured at one batch size"
 # The six shares of harness.profile.CATEGORIES, as prof_<category>_frac. Not imported from there: harness.profile
 # pulls in torch (seconds at start-up) and the dashboard needs none of it; a test keeps the two in step.
 PROFILE_CATEGORIES = ("attention", "gemm", "norm_elementwise", "kv", "sampling", "other")
 # Config columns that tell sweeps apart; a label names only those that vary among the rows drawn.
 IDENTITY_KEYS = ("model", "device_name", "dtype", "kv_dtype", "cache")
-ROOFLINE_HOVER = ("model", "cache", "dtype", "kv_dtype", "batch_size", "prompt_len", "tpot_ms", "bound", "device_name")
+ROOFLINE_HOVER_TEXT = ("model", "cache", "dtype", "kv_dtype", "bound", "device_name")  # once per trace
+ROOFLINE_HOVER_NUMBERS = ("batch_size", "prompt_len", "tpot_ms")  # per point, through customdata
+ROOFLINE_COLUMNS = (
+    "arithmetic_intensity",
+    "achieved_tflops",
+    "prefill_arithmetic_intensity",
+    "prefill_achieved_tflops",
+    "peak_bw_gbps",
+    "peak_tflops",
+    *ROOFLINE_HOVER_TEXT,
+    *ROOFLINE_HOVER_NUMBERS,
+)
+PARETO_HOVER_NUMBERS = ("batch_size", "prompt_len", "top1_agreement")
 SWEEP_METRICS = {  # metric -> (y-axis title, figure title)
     "decode_tok_s": ("decode throughput (tok/s)", "Decode throughput against batch size"),
     "tpot_ms": ("time per output token (ms)", "Time per output token against batch size"),
@@ -61,8 +75,11 @@ def require(rows: pd.DataFrame, columns: list[str] | tuple[str, ...]) -> None:
         raise MissingColumns(f"needs columns: {', '.join(missing)}")
 
 
-def ok_rows(rows: pd.DataFrame) -> pd.DataFrame:
-    """The rows whose status is ok (every row when there is no status column)."""
+def ok_rows(rows: pd.DataFrame, columns: tuple[str, ...] | list[str] | None = None) -> pd.DataFrame:
+    """The rows whose status is ok (every row when there is no status column); with `columns`, only those of them
+    that exist: a chart narrows first, so it never copies a hundred columns of 100k rows it does not draw."""
+    if columns is not None:
+        rows = rows[[c for c in dict.fromkeys(["status", *columns]) if c in rows.columns]]
     if "status" not in rows.columns:
         return rows
     # A fresh index: frames concatenated without ignore_index repeat labels, and the charts select by label.
@@ -131,6 +148,34 @@ def hover_texts(rows: pd.DataFrame, fields: tuple[str, ...]) -> pd.Series:
     return text
 
 
+def hover_groups(
+    points: pd.DataFrame, *, text_fields: tuple[str, ...], number_fields: tuple[str, ...]
+) -> list[tuple[pd.DataFrame, str, np.ndarray | None]]:
+    """The points split by the values of their text fields, each part with a hovertemplate that names those values
+    once and shows the number fields per point from customdata: [(part, hovertemplate, customdata)].
+
+    For charts of many points: plotly sends a numeric array as packed binary, but a string per point as JSON text
+    (100k points × 9 fields: over 50 MB for the browser to parse). Parts come in sorted order of their text values."""
+    numbers_template = "".join(f"<br>{field}: %{{customdata[{i}]:.4g}}" for i, field in enumerate(number_fields))
+    if not text_fields:
+        groups = [((), np.arange(len(points)))]
+    else:
+        keys = pd.DataFrame({field: texts(points, field) for field in text_fields}, index=points.index)
+        groups = sorted(keys.groupby(list(text_fields), sort=False).indices.items())
+    parts = []
+    for values, positions in groups:
+        values = values if isinstance(values, tuple) else (values,)
+        part = points.iloc[positions]
+        header = "<br>".join(f"{field}: {value}" for field, value in zip(text_fields, values, strict=True))
+        customdata = (
+            np.column_stack([numbers(part, field).to_numpy(np.float32) for field in number_fields])
+            if number_fields
+            else None
+        )
+        parts.append((part, header + numbers_template, customdata))
+    return parts
+
+
 def message_figure(*, title: str, x_title: str, y_title: str, message: str = NO_OK_ROWS) -> go.Figure:
     """An empty chart that says why it is empty; still a valid figure for st.plotly_chart."""
     fig = go.Figure()
@@ -185,8 +230,6 @@ def _positive_points(rows: pd.DataFrame, *, x: str, y: str) -> pd.DataFrame:
 def _roofs(ok: pd.DataFrame) -> list[dict]:
     """Measured roofs per (device_name, dtype) from the rows' ceilings, and the datasheet's where spec_for knows the
     device: [{label, bw_gbps, tflops, spec}]."""
-    from harness.ceilings import spec_for  # here, not at the top: harness.ceilings imports torch (seconds)
-
     peaks = pd.DataFrame(
         {
             "device_name": texts(ok, "device_name"),
@@ -224,18 +267,34 @@ def _roofs(ok: pd.DataFrame) -> list[dict]:
     return roofs
 
 
-def _roofline_points(points: pd.DataFrame, *, name: str, symbol: str, trace: type) -> go.Scatter | go.Scattergl:
-    batch = numbers(points, "batch_size")
-    colour_value = np.log2(batch.where(batch > 0)).fillna(0.0)  # the colour scale is log2(batch)
-    return trace(
-        x=points["_x"].to_numpy(),
-        y=points["_y"].to_numpy(),
-        mode="markers",
-        name=name,
-        marker=dict(symbol=symbol, size=9, color=colour_value.to_numpy(), coloraxis="coloraxis", line_width=0.5),
-        hovertext=hover_texts(points, ROOFLINE_HOVER).to_numpy(),
-        hovertemplate=f"%{{hovertext}}<br>%{{x:.3g}} FLOP/B, %{{y:.3g}} TFLOP/s<extra>{name}</extra>",
-    )
+def _roofline_points(points: pd.DataFrame, *, name: str, symbol: str, trace: type) -> list[go.Scatter]:
+    """One trace per distinct config (ROOFLINE_HOVER_TEXT) in one legend group `name`: the hover names the config
+    once per trace and the point's numbers from customdata, so 100k points stay a few MB for the browser."""
+    traces = []
+    parts = hover_groups(points, text_fields=ROOFLINE_HOVER_TEXT, number_fields=ROOFLINE_HOVER_NUMBERS)
+    for i, (part, template, customdata) in enumerate(parts):
+        batch = numbers(part, "batch_size")
+        colour_value = np.log2(batch.where(batch > 0)).fillna(0.0)  # the colour scale is log2(batch)
+        traces.append(
+            trace(
+                x=part["_x"].to_numpy(np.float32),  # half the bytes of float64, and more digits than a hover shows
+                y=part["_y"].to_numpy(np.float32),
+                mode="markers",
+                name=name,
+                legendgroup=name,
+                showlegend=i == 0,
+                marker=dict(
+                    symbol=symbol,
+                    size=9,
+                    color=colour_value.to_numpy(np.float32),
+                    coloraxis="coloraxis",
+                    line_width=0 if trace is go.Scattergl else 0.5,  # outlines double the fill work of WebGL
+                ),
+                customdata=customdata,
+                hovertemplate=f"{template}<br>%{{x:.3g}} FLOP/B, %{{y:.3g}} TFLOP/s<extra>{name}</extra>",
+            )
+        )
+    return traces
 
 
 STATUS_COLOURS = {"ok": "#2ca02c", "oom": "#d62728", "error": "#7f7f7f", "unsupported": "#ff7f0e"}
@@ -279,7 +338,7 @@ def roofline(rows: pd.DataFrame) -> go.Figure:
     require(rows, ["arithmetic_intensity", "achieved_tflops", "peak_bw_gbps", "peak_tflops"])
     title = "Roofline: achieved throughput against arithmetic intensity"
     x_title, y_title = "arithmetic intensity (FLOP/byte)", "achieved throughput (TFLOP/s)"
-    ok = ok_rows(rows)
+    ok = ok_rows(rows, ROOFLINE_COLUMNS)
     decode = _positive_points(ok, x="arithmetic_intensity", y="achieved_tflops")
     # Older rows have no prefill figures: then the chart is decode only.
     prefill = _positive_points(ok, x="prefill_arithmetic_intensity", y="prefill_achieved_tflops")
@@ -334,9 +393,9 @@ def roofline(rows: pd.DataFrame) -> go.Figure:
         )
     trace = scatter_class(len(decode) + len(prefill))
     if not decode.empty:
-        fig.add_trace(_roofline_points(decode, name="decode", symbol="circle", trace=trace))
+        fig.add_traces(_roofline_points(decode, name="decode", symbol="circle", trace=trace))
     if not prefill.empty:
-        fig.add_trace(_roofline_points(prefill, name="prefill", symbol="diamond", trace=trace))
+        fig.add_traces(_roofline_points(prefill, name="prefill", symbol="diamond", trace=trace))
 
     batch = np.concatenate([numbers(decode, "batch_size").to_numpy(), numbers(prefill, "batch_size").to_numpy()])
     exponents = np.log2(batch[batch > 0]) if (batch > 0).any() else np.zeros(1)
@@ -408,6 +467,10 @@ def batch_sweep(rows: pd.DataFrame, *, metric: str = "decode_tok_s") -> go.Figur
     points["identity"] = labels(points, IDENTITY_KEYS)
     points["label"] = labels(points, (*IDENTITY_KEYS, "prompt_len"), always=("prompt_len",))
     points = points.sort_values([*IDENTITY_KEYS, "prompt_len"], kind="stable")  # the legend's order
+    # A line needs two batch sizes: a config measured at one batch (a strategies sweep) is no batch sweep.
+    points = points[points.groupby("label")["batch_size"].transform("nunique") >= 2]
+    if points.empty:
+        return message_figure(title=title, x_title=x_title, y_title=y_title, message=NO_BATCH_SWEEP)
 
     fig = go.Figure()
     legend_shown: set[str] = set()
@@ -780,16 +843,14 @@ def strategy_pareto(rows: pd.DataFrame) -> go.Figure:
     require(rows, ["kv_bytes_allocated", "tpot_ms", "cache", "kv_dtype"])
     title = "KV memory against time per output token"
     x_title, y_title = "KV allocated (MiB)", "time per output token (ms)"
-    ok = ok_rows(rows)
+    ok = ok_rows(rows, ["kv_bytes_allocated", "tpot_ms", "cache", "kv_dtype", *PARETO_HOVER_NUMBERS])
     points = pd.DataFrame(
         {
             "x": numbers(ok, "kv_bytes_allocated") / MIB_BYTES,
             "y": numbers(ok, "tpot_ms"),
             "cache": texts(ok, "cache"),
             "kv_dtype": texts(ok, "kv_dtype"),
-            "batch_size": texts(ok, "batch_size"),
-            "prompt_len": texts(ok, "prompt_len"),
-            "top1_agreement": texts(ok, "top1_agreement"),
+            **{field: numbers(ok, field) for field in PARETO_HOVER_NUMBERS},
         }
     ).dropna(subset=["x", "y"])
     if points.empty:
@@ -797,22 +858,28 @@ def strategy_pareto(rows: pd.DataFrame) -> go.Figure:
 
     kv_dtypes = sorted(points["kv_dtype"].unique())
     symbol_of = {kv_dtype: SYMBOLS[i % len(SYMBOLS)] for i, kv_dtype in enumerate(kv_dtypes)}
+    colour_of = {cache: colour(i) for i, cache in enumerate(sorted(points["cache"].unique()))}
     trace = scatter_class(len(points))
     fig = go.Figure()
-    points["hover"] = hover_texts(points, ("cache", "kv_dtype", "batch_size", "prompt_len", "top1_agreement"))
-    hover = "%{hovertext}<br>%{x:.4g} MiB, %{y:.4g} ms<extra></extra>"
-    for i, (cache, group) in enumerate(points.groupby("cache", sort=True)):
+    # One trace per (cache, kv_dtype): colour and symbol per trace, the numbers per point (hover_groups).
+    parts = hover_groups(points, text_fields=("cache", "kv_dtype"), number_fields=PARETO_HOVER_NUMBERS)
+    shown: set[str] = set()
+    for part, template, customdata in parts:
+        cache, kv_dtype = part["cache"].iloc[0], part["kv_dtype"].iloc[0]
         fig.add_trace(
             trace(
-                x=group["x"],
-                y=group["y"],
+                x=part["x"].to_numpy(np.float32),
+                y=part["y"].to_numpy(np.float32),
                 mode="markers",
                 name=cache,
-                marker=dict(color=colour(i), size=10, symbol=group["kv_dtype"].map(symbol_of).to_list()),
-                hovertext=group["hover"].to_numpy(),
-                hovertemplate=hover,
+                legendgroup=cache,
+                showlegend=cache not in shown,
+                marker=dict(color=colour_of[cache], size=10, symbol=symbol_of[kv_dtype]),
+                customdata=customdata,
+                hovertemplate=f"{template}<br>%{{x:.4g}} MiB, %{{y:.4g}} ms<extra></extra>",
             )
         )
+        shown.add(cache)
     for kv_dtype in kv_dtypes:  # a legend key for the symbols, no points of its own
         fig.add_trace(
             go.Scatter(
@@ -824,6 +891,7 @@ def strategy_pareto(rows: pd.DataFrame) -> go.Figure:
             )
         )
     front = points[pareto_front(points["x"], points["y"])].sort_values(["x", "y"])
+    (_, front_template, front_data), *more = hover_groups(front, text_fields=(), number_fields=PARETO_HOVER_NUMBERS)
     fig.add_trace(
         go.Scatter(
             x=front["x"],
@@ -832,8 +900,9 @@ def strategy_pareto(rows: pd.DataFrame) -> go.Figure:
             name="Pareto front",
             line=dict(shape="hv", color="black", width=1),  # right, then down: the best TPOT for that much memory
             marker=dict(symbol="circle-open", size=18, color="black", line_width=2),
-            hovertext=front["hover"].to_numpy(),
-            hovertemplate=hover,
+            text=(front["cache"] + " " + front["kv_dtype"]).to_numpy(),  # the front is short: a string per point
+            customdata=front_data,
+            hovertemplate=f"%{{text}}{front_template}<br>%{{x:.4g}} MiB, %{{y:.4g}} ms<extra></extra>",
         )
     )
     fig.update_layout(title_text=title, xaxis_title_text=x_title, yaxis_title_text=y_title)

@@ -33,6 +33,7 @@ import pandas as pd
 import psutil
 import torch
 
+from harness.spec import SPEC_PEAKS_CSV, spec_for, spec_peaks  # noqa: F401 (part of this module's API)
 from harness.timing import StepTimer, median_rse
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,6 @@ FP8_MIN_CAPABILITY = (8, 9)  # the first with FP8 tensor cores: Ada (sm_89), per
 FALLBACK_LLC_BYTES = 32 * 2**20
 FALLBACK_L2_BYTES = 50 * 2**20
 CPU_MATMUL_N_MIN = 256  # the CPU size search starts here and doubles
-SPEC_PEAKS_CSV = Path(__file__).with_name("spec_peaks.csv")
 
 
 @dataclass(frozen=True)
@@ -378,23 +378,6 @@ def load_or_measure(
     write_atomic(path, ceilings.to_json())
     log.info("ceilings: stored %s", path)
     return ceilings
-
-
-def spec_peaks() -> pd.DataFrame:
-    """Published dense peaks, one row per (device, dtype), each with its source (harness/spec_peaks.csv)."""
-    return pd.read_csv(SPEC_PEAKS_CSV, comment="#", skipinitialspace=True)
-
-
-def spec_for(name: str) -> pd.DataFrame | None:
-    """The spec rows of the device whose name_pattern (a case-insensitive regex) matches `name`, or None.
-
-    "NVIDIA H200" and "H200 SXM" find the H200 SXM rows; "NVIDIA H200 NVL" does not (different clocks and power).
-    """
-    peaks = spec_peaks()
-    for device_row in peaks.drop_duplicates("device_name").itertuples():
-        if re.search(device_row.name_pattern, name, flags=re.IGNORECASE):
-            return peaks[peaks["device_name"] == device_row.device_name].reset_index(drop=True)
-    return None
 
 
 def format_table(ceilings: Ceilings, spec: pd.DataFrame | None = None) -> str:

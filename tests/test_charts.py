@@ -257,10 +257,19 @@ def test_roofline_colours_points_by_log2_batch_with_a_batch_colorbar():
 
 
 def test_roofline_hover_shows_the_point_config():
-    (hover,) = trace(charts.roofline(sweep({1: 10.0})), "decode").hovertext
-    for field in ("model", "cache", "dtype", "kv_dtype", "batch_size", "prompt_len", "tpot_ms", "bound", "device_name"):
-        assert f"{field}: " in hover
-    assert "batch_size: 1<br>prompt_len: 512" in hover
+    (decode,) = [t for t in charts.roofline(sweep({1: 10.0})).data if t.name == "decode"]
+    for field in ("model", "cache", "dtype", "kv_dtype", "bound", "device_name"):
+        assert f"{field}: " in decode.hovertemplate  # named once per trace
+    assert "batch_size: %{customdata[0]:.4g}<br>prompt_len: %{customdata[1]:.4g}" in decode.hovertemplate
+    assert decode.customdata[0][:2].tolist() == [1.0, 512.0]  # and the numbers per point
+
+
+def test_roofline_splits_points_by_config_in_one_legend_group_per_phase():
+    rows = pd.concat([sweep({1: 10.0, 2: 10.0}), sweep({1: 10.0}, cache="paged")], ignore_index=True)
+    decode = [t for t in charts.roofline(rows).data if t.name == "decode"]
+    assert [len(t.x) for t in decode] == [2, 1]
+    assert ["cache: contiguous" in t.hovertemplate for t in decode] == [True, False]
+    assert {t.legendgroup for t in decode} == {"decode"} and [t.showlegend for t in decode] == [True, False]
 
 
 def test_roofline_of_100k_rows_uses_webgl_and_stays_fast():
@@ -277,6 +286,13 @@ def test_a_small_roofline_uses_svg_markers():
 
 
 # ---------------------------------------------------------------------------------------------------- batch sweep
+
+
+def test_batch_sweep_leaves_out_configs_measured_at_one_batch():
+    rows = pd.concat([sweep({1: 10.0, 2: 10.0}), sweep({2: 10.0}, cache="paged")], ignore_index=True)
+    assert [name for name in trace_names(charts.batch_sweep(rows)) if "paged" in name] == []
+    fig = charts.batch_sweep(sweep({2: 10.0}, cache="paged"))
+    assert not fig.data and charts.NO_BATCH_SWEEP in annotation_texts(fig)
 
 
 def test_batch_sweep_rejects_an_unknown_metric_naming_the_allowed_ones():
@@ -535,11 +551,17 @@ def test_strategy_pareto_draws_the_front_through_the_non_dominated_rows():
 def test_strategy_pareto_colours_by_cache_and_shapes_by_kv_dtype():
     rows = frame(point(kv_dtype="int4"), point(kv_dtype="int8"), point(cache="paged"))
     fig = charts.strategy_pareto(rows)
-    contiguous, paged = trace(fig, "contiguous"), trace(fig, "paged")
-    assert contiguous.marker.color != paged.marker.color
-    assert list(contiguous.marker.symbol) == [trace(fig, "kv_dtype int4").marker.symbol] + [
-        trace(fig, "kv_dtype int8").marker.symbol
+    contiguous = [t for t in fig.data if t.name == "contiguous"]
+    paged = trace(fig, "paged")
+    assert {t.marker.color for t in contiguous} != {paged.marker.color} and len(
+        {t.marker.color for t in contiguous}
+    ) == 1
+    assert [t.marker.symbol for t in contiguous] == [
+        trace(fig, "kv_dtype int4").marker.symbol,
+        trace(fig, "kv_dtype int8").marker.symbol,
     ]
+    assert [t.showlegend for t in contiguous] == [True, False]  # one legend entry per cache
+    assert "kv_dtype: int4" in contiguous[0].hovertemplate and contiguous[0].customdata.shape == (1, 3)
 
 
 # -------------------------------------------------------------------------------------------------------- latency

@@ -25,7 +25,7 @@ TIMEOUT_S = 30  # one run on 2 busy cores; AppTest's default is 3 s
 KNEE_SWEEP = "fixture-crossover"
 KNEE_BATCHES = (1, 4, 16)
 COMMITTED_REFERENCE = data.REFERENCE_DIR  # results/reference: real rows of three sweeps
-QUICKSTART_SWEEP = "20261130-165254"  # results/reference/cpu-quickstart: none, contiguous, paged × 3 prompts
+QUICKSTART_SWEEP = "20261130-235805"  # results/reference/cpu-quickstart: none, contiguous, paged × 3 prompts
 NEWER_COLUMNS = [  # what a row of an older schema lacks (written as nulls)
     "arithmetic_intensity",
     "achieved_tflops",
@@ -289,6 +289,16 @@ def test_csv_bytes_has_one_line_per_row_and_itl_ms_as_json():
 # ---------------------------------------------------------------------------------------------------- the pages
 
 
+def test_overview_table_adds_the_columns_picked_under_more_columns(monkeypatch, fixture_dir):
+    at = open_app(monkeypatch, fixture_dir)
+    (more,) = [widget for widget in at.multiselect if widget.label == "more columns"]
+    assert "point_id" in more.options and "itl_ms" not in more.options
+    more.set_value(["point_id", "prof_gemm_frac"]).run()
+    table = at.dataframe[1].value
+    assert list(table.columns[-2:]) == ["point_id", "prof_gemm_frac"]
+    assert table["point_id"].tolist() == results.load(fixture_dir)["point_id"].tolist()
+
+
 def test_overview_lists_the_sweeps_the_headline_figures_and_the_rows(monkeypatch, fixture_dir):
     at = open_app(monkeypatch, fixture_dir)
     sweeps, rows = at.dataframe
@@ -298,6 +308,7 @@ def test_overview_lists_the_sweeps_the_headline_figures_and_the_rows(monkeypatch
     assert sweeps.value["unsupported"].sum() == (expected["status"] == "unsupported").sum()
     assert len(rows.value) == len(expected)
     assert "itl_ms" not in rows.value.columns
+    assert list(rows.value.columns[:3]) == ["source", "sweep_id", "status"] and "point_id" not in rows.value.columns
     assert [metric.label for metric in at.metric] == [
         "best decode throughput",
         "lowest TPOT",

@@ -7,6 +7,29 @@ from dashboard import charts, data
 from dashboard.sidebar import current, page_rows, plot
 
 STATUSES = ("ok", "oom", "error", "unsupported")
+TABLE_COLUMNS = (  # the rows table's columns unless more are picked: identity, workload, outcome, headline figures
+    "source",
+    "sweep_id",
+    "status",
+    "model",
+    "device_name",
+    "dtype",
+    "kv_dtype",
+    "cache",
+    "batch_size",
+    "prompt_len",
+    "gen_len",
+    "ttft_ms",
+    "tpot_ms",
+    "decode_tok_s",
+    "kv_bytes_allocated",
+    "peak_mem_bytes",
+    "bw_util",
+    "bound",
+    "top1_agreement",
+    "error",
+    "started_at",
+)
 
 st.title("kvbench")
 st.caption("What the KV cache costs and buys during decoding: one row per measured sweep point.")
@@ -65,9 +88,12 @@ else:
     longest.metric("largest context that ran (status ok)", "–")
 
 st.subheader(f"Rows ({len(rows)})")
-shown = rows.drop(columns=["itl_ms"], errors="ignore")  # a list per row: long, and not sortable
-first = [c for c in ("source", "sweep_id", "status", "model", "cache", "kv_dtype", "batch_size") if c in shown]
-st.dataframe(shown[first + [c for c in shown.columns if c not in first]], hide_index=True)
+# A table of every column of 100k rows is over 100 MB for the browser: the usual columns first, the rest on demand.
+# The downloads below always carry every column.
+usual = [c for c in TABLE_COLUMNS if c in rows.columns]
+others = [c for c in rows.columns if c not in TABLE_COLUMNS and c != "itl_ms"]  # itl_ms: a list per row
+extra = st.multiselect("more columns", others, help="every column is in the CSV and parquet downloads")
+st.dataframe(rows[usual + extra], hide_index=True)
 csv_column, parquet_column = st.columns(2)
 csv_column.download_button(
     "download CSV", data=lambda: data.csv_bytes(rows), file_name="kvbench.csv", mime="text/csv", on_click="ignore"
