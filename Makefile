@@ -16,7 +16,7 @@ ARGS ?=
 ADDRESS ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: help setup run test lint docs ceilings dashboard screenshot bench-dashboard bench clean-results
+.PHONY: help setup run test lint docs ceilings dashboard screenshot bench-dashboard bench bench-sweep clean-results
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-14s %s\n", $$1, $$2}'
@@ -64,3 +64,6 @@ bench-dashboard: setup ## Time every dashboard page over 100k rows (AppTest and 
 
 bench: setup ## Our decode loop against transformers' generate(): same weights, interleaved rounds; prints the table
 	$(BIN)/python -m experiments.bench $(ARGS)
+
+bench-sweep: setup ## How a sweep's wall time grows with its points, with warm workers and with a fresh process each
+	$(BIN)/python -m experiments.sweep_cost $(ARGS)

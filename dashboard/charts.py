@@ -297,7 +297,13 @@ def _roofline_points(points: pd.DataFrame, *, name: str, symbol: str, trace: typ
     return traces
 
 
-STATUS_COLOURS = {"ok": "#2ca02c", "oom": "#d62728", "error": "#7f7f7f", "unsupported": "#ff7f0e"}
+STATUS_COLOURS = {
+    "ok": "#2ca02c",
+    "oom": "#d62728",
+    "skipped_oom": "#f4a6a6",  # not run: the OOM backstop (harness/sweep.py) judged it past an OOM
+    "error": "#7f7f7f",
+    "unsupported": "#ff7f0e",
+}
 
 
 def status_counts(rows: pd.DataFrame) -> go.Figure:

@@ -131,6 +131,41 @@ def failure_rows(cfg: RunConfig, exc: Exception) -> list[dict]:
     ]
 
 
+floors: list[tuple[RunConfig, float, int]] = []  # run() fills it: (case, linear_only_ms, linear bytes)
+
+
+def floor_table(rows: list[dict]) -> str:
+    """Per case: one step of the model's matrix products alone (versus.linear_only_ms) against our TPOT and the
+    copy bandwidth: how much of the gap to the bandwidth target is torch's GEMV and how much is our loop."""
+    peak = next((row["peak_bw_gbps"] for row in rows if row.get("peak_bw_gbps")), None)
+    lines = [
+        f"{'model':<8}{'dtype':<6}{'batch':>6}  {'linears ms':>11}{'linears GB/s':>13}{'of copy BW':>11}"
+        f"{'our TPOT ms':>12}{'linears/TPOT':>13}"
+    ]
+    for cfg, floor_ms, n_bytes in floors:
+        ours = next(
+            (
+                r
+                for r in rows
+                if r["cache"] == versus.OURS and r["dtype"] == cfg.dtype and r["batch_size"] == cfg.batch_size
+            ),
+            None,
+        )
+        if ours is None:
+            continue
+        gbps = n_bytes / floor_ms / 1e6
+        share = f"{100 * gbps / peak:.0f}%" if peak else "-"
+        lines.append(
+            f"{cfg.model.name:<8}{cfg.dtype:<6}{cfg.batch_size:>6}  {floor_ms:>11.2f}{gbps:>13.1f}{share:>11}"
+            f"{ours['tpot_ms']:>12.2f}{100 * floor_ms / ours['tpot_ms']:>12.0f}%"
+        )
+    lines.append(
+        "linears: every nn.Linear of the model once against a [batch, in] input, nothing else (median of 9): the "
+        "floor torch's GEMV sets for any PyTorch loop; linears/TPOT: the share of our step spent at that floor"
+    )
+    return "\n".join(lines)
+
+
 def run(cases: list[RunConfig], *, rounds: int, out_dir: Path) -> list[dict]:
     """Measure every case, writing each loop's row as soon as its case is done; return the rows."""
     import transformers
@@ -139,6 +174,7 @@ def run(cases: list[RunConfig], *, rounds: int, out_dir: Path) -> list[dict]:
     runner.ensure_ceilings(cases[0])  # measured once per device, in a process of its own, then reused
     args = cases[0].model_args()
     rows: list[dict] = []
+    floors.clear()
     with tempfile.TemporaryDirectory(prefix="kvbench-bench-") as checkpoint:
         log.info("saving transformers' seeded %s to %s", args.name, checkpoint)
         versus.save_checkpoint(args, checkpoint, seed=cases[0].seed)
@@ -156,6 +192,8 @@ def run(cases: list[RunConfig], *, rounds: int, out_dir: Path) -> list[dict]:
                 case_rows = versus.measure_case(
                     cfg, our_model=loaded[1], hf_model=loaded[2], rounds=rounds, warmup=cfg.warmup
                 )
+                floor_ms = versus.linear_only_ms(loaded[1], batch_size=cfg.batch_size)
+                floors.append((cfg, floor_ms, versus.linear_bytes(loaded[1])))
             except Exception as exc:  # one case's OOM or error is its rows' status; the others still run
                 log.exception("case %s %s batch %d failed", args.name, cfg.dtype, cfg.batch_size)
                 case_rows = failure_rows(cfg, exc)
@@ -183,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"rows: {out_dir}")
     if ok:
         print(versus.format_table(ok))
+        print()
+        print(floor_table(ok))
     return 0 if len(ok) == len(rows) else 1
 
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 from hydra import compose
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -16,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness import crossover, results
 from harness.config import ConfigError, RunConfig
+from harness.sweep import SKIPPED
 
 log = logging.getLogger("kvbench")
 
@@ -34,10 +36,13 @@ class SweepProgress(Callback):
         self.started = 0.0
         self.sweep_dir: Path | None = None
         self.swept_keys: set[str] = set()  # the keys whose value changes across points: all a progress line shows
+        self.rows: list[tuple[str, str]] = []  # (point_id, row file) of every finished job, skipped ones included
+        self.skipped = 0  # jobs a resume skipped
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         jobs = sweep_jobs(config)
         self.total, self.done, self.started = len(jobs), 0, time.perf_counter()
+        self.rows, self.skipped = [], 0
         self.sweep_dir = Path(config.hydra.sweep.dir)
         values: dict[str, set[str]] = {}
         for job in jobs:
@@ -54,6 +59,17 @@ class SweepProgress(Callback):
                 sys.exit(2)
         log.info("sweep of %d points -> %s", self.total, self.sweep_dir)
 
+    def sweep_rows(self) -> pd.DataFrame:
+        """The row of every point of this sweep: those measured now and those a resume found recorded earlier. A
+        launcher that runs jobs elsewhere (submitit) returns no paths here: then the sweep folder's rows."""
+        if not self.rows:
+            return results.load(self.sweep_dir)
+        frames = []
+        for point_id, path in self.rows:
+            rows = results.load(path)
+            frames.append(rows[rows["point_id"] == point_id].tail(1))
+        return pd.concat(frames, ignore_index=True)
+
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if not self.total:
             return
@@ -66,13 +82,22 @@ class SweepProgress(Callback):
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         self.done += 1
+        outcome = getattr(job_return, "_return_value", None)  # the value itself; .return_value re-raises a failure
+        if isinstance(outcome, dict) and outcome.get("path"):
+            self.rows.append((outcome["point_id"], outcome["path"]))
+            self.skipped += outcome["status"] == SKIPPED
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        table = results.load(self.sweep_dir)
+        table = self.sweep_rows()
         print(results.format_summary(table))
         failed = table[table["status"] != "ok"]
         elapsed_s = time.perf_counter() - self.started
         print(f"\n{len(table)} points in {elapsed_s:.0f} s, {len(failed)} not ok -> {self.sweep_dir}")
+        if self.skipped:
+            print(
+                f"resumed: {self.skipped} of them already recorded (ok, oom, unsupported or skipped_oom) under "
+                f"results_dir and not measured again; force=true measures every point"
+            )
         for _, row in failed.iterrows():
             print(
                 f"  {row['status']}: {row['cache']} batch={row['batch_size']} prompt={row['prompt_len']}: {row['error']}"

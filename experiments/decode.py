@@ -19,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from harness import results, runner
+from harness import results, runner, sweep
 from harness.config import ConfigError, RunConfig
 
 log = logging.getLogger("kvbench")
@@ -34,22 +34,56 @@ def output_dir() -> Path:
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> dict:
+    """Measure (or skip) one point. Returns {status, path, point_id}: what became of it and where its row is (an
+    earlier one when skipped), which SweepProgress gathers for the sweep's summary."""
     try:
         run_cfg = RunConfig(**OmegaConf.to_container(cfg, resolve=True))
+        directory = inside_results_dir(output_dir(), run_cfg.results_dir)
     except ConfigError as exc:
         # Bad input: one line, nothing built, nothing recorded. Exit stops a sweep before it measures more.
         print(f"kvbench: bad config: {exc}", file=sys.stderr)
         sys.exit(2)
-    directory = output_dir()
-    row = runner.run_point(run_cfg) | {"sweep_id": directory.name}
+    base = runner.failure_row(run_cfg, "", "")  # the point's config and environment columns, nothing measured
+    if not run_cfg.force:
+        earlier = sweep.recorded(base["point_id"], base["device_name"], run_cfg.results_dir)
+        if earlier is not None:
+            log.info("skip %s: recorded as %s in %s (force=true measures it again)", base["point_id"],
+                     earlier["status"], earlier["path"])  # fmt: skip
+            if HydraConfig.get().mode.name != "MULTIRUN":
+                print(f"already recorded as {earlier['status']} (force=true measures it again):")
+                print(results.format_summary(results.load(earlier["path"]).query(f"point_id == '{base['point_id']}'")))
+            return {"status": sweep.SKIPPED, "path": earlier["path"], "point_id": base["point_id"]}
+    cause = sweep.oom_cause(run_cfg, base, directory) if run_cfg.oom_backstop else None
+    if cause is not None:
+        row = base | {"status": "skipped_oom", "error": sweep.skipped_oom_error(cause)}
+    else:
+        row = runner.run_point(run_cfg)
+    row |= {"sweep_id": directory.name}
     top_ops = row.pop("top_ops", None)  # the profiler's table: a second parquet keyed by point_id
-    path = results.write_point(row, directory)
-    if top_ops is not None:
-        results.write_ops(row["point_id"], top_ops, directory)
+    try:
+        path = results.write_point(row, directory)
+        if top_ops is not None:
+            results.write_ops(row["point_id"], top_ops, directory)
+    except OSError as exc:  # disk full, read-only, over quota: every earlier row is whole; stop the sweep here
+        print(f"kvbench: cannot write results to {directory}: {exc}; this point is not recorded", file=sys.stderr)
+        sys.exit(1)
     log.info("%s %s -> %s", row["status"], row.get("error") or "", path)
     if HydraConfig.get().mode.name != "MULTIRUN":
         print(results.format_summary(results.load(path)))
+    return {"status": row["status"], "path": str(path), "point_id": row["point_id"]}
+
+
+def inside_results_dir(directory: Path, results_dir: str) -> Path:
+    """`directory` (Hydra's run or sweep folder) when it lies inside results_dir; else a ConfigError. Every row
+    goes under results_dir, which resume searches and which `make clean-results` owns."""
+    resolved, root = directory.resolve(), Path(results_dir).resolve()
+    if not resolved.is_relative_to(root) or resolved == root:
+        raise ConfigError(
+            f"hydra.sweep.dir: {directory} is not a folder inside results_dir ({root}); allowed: a path under it, "
+            "e.g. hydra.sweep.dir=${results_dir}/my-sweep"
+        )
+    return directory
 
 
 if __name__ == "__main__":

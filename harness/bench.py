@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import hashlib
+import importlib.metadata
+import json
 import logging
+import platform
 import socket
 import statistics
 import subprocess
@@ -251,27 +255,82 @@ def config_columns(cfg: RunConfig) -> dict:
         "compile": cfg.compile,
         "seed": cfg.seed,
         "max_memory_gb": cfg.max_memory_gb,
+        # Everything, as resolved: `python -m harness.results diff` lists what changed between two rows.
+        "config_json": json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str),
     }
 
 
 def environment_columns(device: torch.device) -> dict:
+    """Where and with what the point ran: enough to tell two rows' environments apart (results diff)."""
+    cuda = device.type == "cuda"
     return {
         "git_sha": git_sha(),
+        "git_dirty": git_dirty(),
         "host": socket.gethostname(),
+        "cpu_model": cpu_model(),
         "device_name": ceilings.device_name(device),
+        "device_count": torch.cuda.device_count() if cuda else 1,
+        "driver_version": nvidia_driver_version() if cuda else None,
+        "cuda_version": torch.version.cuda if cuda else None,
         "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "kvbench_version": kvbench_version(),
         "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "schema_version": SCHEMA_VERSION,
     }
 
 
-def git_sha() -> str | None:
+def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
-        )
+        out = subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if out.returncode != 0:  # not a git checkout (an installed copy, a tarball)
         return None
-    return out.stdout.strip() or None
+    return out.stdout
+
+
+@functools.cache
+def git_sha() -> str | None:
+    out = _git("rev-parse", "HEAD")
+    return out.strip() or None if out is not None else None
+
+
+@functools.cache
+def git_dirty() -> bool | None:
+    """Uncommitted changes to tracked files (untracked files, such as results, do not count)."""
+    out = _git("status", "--porcelain", "--untracked-files=no")
+    return None if out is None else bool(out.strip())
+
+
+@functools.cache
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.cache
+def kvbench_version() -> str | None:
+    try:
+        return importlib.metadata.version("kvbench")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def nvidia_driver_version() -> str | None:
+    try:
+        import pynvml  # nvidia-ml-py
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML library, no driver access: the column stays null
+        return None
+    return version.decode() if isinstance(version, bytes) else version

@@ -29,6 +29,8 @@ COMPILE_MODES = ("none", "default", "reduce-overhead")  # torch.compile modes of
 # Fields added after results were first recorded: at their default they stay out of point_id, so older points keep
 # their ids (a rerun finds them) and only points that use the new field hash differently.
 _LATER_DEFAULTS = {"compile": "none"}
+# How and where a point runs, not what it measures: left out of point_id, so they never make a point "new".
+NOT_MEASURED = ("results_dir", "isolate", "ceilings_dir", "profile_trace", "reuse_worker", "force", "oom_backstop")
 
 
 class ConfigError(ValueError):
@@ -78,7 +80,14 @@ class RunConfig:
     max_memory_gb: float | None = None  # cap on the measuring process: RLIMIT on CPU, memory fraction on CUDA
     results_dir: str = "results"
     seed: int = 0
-    isolate: bool = True  # measure each point in its own spawned process; false only for debugging
+    isolate: bool = True  # measure each point in a spawned process, never in the sweep's; false only for debugging
+    # Reuse that process for the next point while isolation allows it: the last point was ok or unsupported, no
+    # max_memory_gb cap, and its peak RSS can be reset (Linux). False: a fresh process per point.
+    reuse_worker: bool = True
+    force: bool = False  # measure again a point already recorded (ok, oom, unsupported, skipped_oom) in results_dir
+    # Record a point as skipped_oom, unmeasured, when the capacity planner says it needs at least as much memory as
+    # an OOM point of the same sweep (same model, strategy, dtypes, options); false: measure it anyway.
+    oom_backstop: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.model, dict):
@@ -179,7 +188,7 @@ class RunConfig:
     def point_id(self) -> str:
         """A stable hash of what is measured: resolved device and dtypes included, output location excluded."""
         measured = dataclasses.asdict(self)
-        for key in ("results_dir", "isolate", "ceilings_dir", "profile_trace"):
+        for key in NOT_MEASURED:
             measured.pop(key)
         for key, default in _LATER_DEFAULTS.items():
             if measured[key] == default:

@@ -5,6 +5,8 @@ A probe that cannot apply on this device reports None (a null column), never 0.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import resource
@@ -22,10 +24,38 @@ def rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
+_STATUS = "/proc/self/status"
+_CLEAR_REFS = "/proc/self/clear_refs"
+
+
 def peak_rss_bytes() -> int:
-    """High-water mark of this process's resident set (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    """High-water mark of this process's resident set since the last reset_peak_rss(): VmHWM on Linux (which that
+    reset lowers), else ru_maxrss (KiB on Linux, bytes on macOS; never reset: the process's lifetime peak)."""
+    try:
+        with open(_STATUS) as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # "VmHWM:   123456 kB"
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Hand freed heap back to the OS, then lower the resident high-water mark to the present resident set, so that
+    a process measuring one point after another reports each point's own peak. False where that is not possible
+    (not Linux, no /proc): then a peak is the process's lifetime peak and the process must not be reused."""
+    if not sys.platform.startswith("linux"):
+        return False
+    with contextlib.suppress(OSError, AttributeError):  # another libc has no malloc_trim: nothing to trim
+        ctypes.CDLL(None).malloc_trim(0)  # glibc keeps freed blocks in its heap; RSS would carry them over
+    try:
+        with open(_CLEAR_REFS, "w") as clear_refs:
+            clear_refs.write("5")  # proc(5): "reset the peak resident set size to the current resident set size"
+    except OSError:
+        return False
+    return True
 
 
 class NvmlSampler:

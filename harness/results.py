@@ -10,11 +10,14 @@ crashes or is killed leaves only whole rows behind, and a rerun of the same poin
     python -m harness.results show results/ --sweep 2024-06-01_12-00
     python -m harness.results export results/ all.csv
     python -m harness.results columns          # the Markdown table the README embeds
+    python -m harness.results compact results/ # one file per sweep folder instead of one per point
+    python -m harness.results diff results/ 3f2a 9c1e   # what changed between two rows (config, environment)
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import logging
 import os
@@ -58,7 +61,12 @@ COLUMNS: tuple[Column, ...] = (
     # Identity
     Column("point_id", "string", "", "Stable hash of the measurement config; also the row's file name"),
     Column("sweep_id", "string", "", "Identifier of the sweep (one invocation) that produced the row"),
-    Column("status", "string", "", "Outcome of the point: ok, oom, error or unsupported"),
+    Column(
+        "status",
+        "string",
+        "",
+        "Outcome of the point: ok, oom, error, unsupported, or skipped_oom (not run: the OOM backstop, see error)",
+    ),
     Column("error", "string", "", "Error message when status is not ok; null when ok"),
     # Config
     Column("model", "string", "", "Model preset name"),
@@ -286,9 +294,17 @@ COLUMNS: tuple[Column, ...] = (
     Column("output_digest", "string", "", "sha256 hex of the generated token ids: equal digests, equal outputs"),
     # Environment
     Column("git_sha", "string", "", "Commit of the harness that produced the row"),
+    Column("git_dirty", "bool", "", "Uncommitted changes to tracked files at that commit; null outside a git checkout"),
     Column("host", "string", "", "Host name of the machine"),
+    Column("cpu_model", "string", "", "CPU model name (/proc/cpuinfo), whatever the device"),
     Column("device_name", "string", "", "Device model: GPU name, or CPU brand on CPU"),
+    Column("device_count", "int64", "", "CUDA devices visible to the process; 1 on CPU"),
+    Column("driver_version", "string", "", "NVIDIA driver version (NVML); null on CPU"),
+    Column("cuda_version", "string", "", "CUDA version torch was built with (torch.version.cuda); null on CPU"),
     Column("torch_version", "string", "", "torch.__version__"),
+    Column("python_version", "string", "", "platform.python_version()"),
+    Column("kvbench_version", "string", "", "The installed kvbench package's version"),
+    Column("config_json", "string", "", "The point's resolved RunConfig as JSON: diff two rows' with `results diff`"),
     Column("started_at", "string", "", "Start of the measurement, ISO-8601 UTC"),
     Column("schema_version", "int64", "", "SCHEMA_VERSION of the writer; filled in by write_point when absent"),
 )
@@ -344,6 +360,8 @@ def write_point(row: dict, directory: str | Path) -> Path:
 
 FRONTIER_PREFIX = "frontier-"  # capacity OOM-frontier tables: <results_dir>/capacity/frontier-<time>.parquet
 _IDENTITY_COLUMNS = ("point_id", "status")  # a parquet file without them is not a result row
+_MEASUREMENT_KEY = ("point_id", "sweep_id", "started_at")  # one measurement; load() keeps one row per key
+COMPACTED_PREFIX = "compacted-"  # python -m harness.results compact: <sweep dir>/compacted-<time>.parquet
 OPS_SUFFIX = ".ops.parquet"  # a point's profiler top-ops table, beside its row: <point_id>.ops.parquet
 
 
@@ -418,6 +436,30 @@ def load(path: str | Path, *, skipped: list[str] | None = None) -> pd.DataFrame:
     return _table_to_frame(_load_table(Path(path), skipped=skipped))
 
 
+INDEX_COLUMNS = ("point_id", "sweep_id", "status", "error", "device_name", "started_at")
+
+
+def index(path: str | Path, *, skipped: list[str] | None = None) -> pd.DataFrame:
+    """One line per row under `path`: INDEX_COLUMNS and the `path` of its file, reading only those columns of each
+    file, so that a resume can look up hundreds of points in a second. Unreadable files are skipped as by load()."""
+    lines = []
+    for file in _parquet_files(Path(path)):
+        try:
+            present = pq.read_schema(file).names
+            if any(name not in present for name in _IDENTITY_COLUMNS):
+                raise ValueError(f"{file}: not a kvbench result table (no point_id or status column)")
+            frame = pq.read_table(file, columns=[c for c in INDEX_COLUMNS if c in present]).to_pandas()
+        except (pa.ArrowInvalid, OSError, ValueError) as exc:
+            logger.warning("skipped %s: %s", file, exc)
+            if skipped is not None:
+                skipped.append(f"{file}: {exc}")
+            continue
+        lines.append(frame.reindex(columns=list(INDEX_COLUMNS)).assign(path=str(file)))
+    if not lines:
+        return pd.DataFrame(columns=[*INDEX_COLUMNS, "path"], dtype=object)
+    return pd.concat(lines, ignore_index=True)
+
+
 def _load_table(path: Path, *, skipped: list[str] | None = None) -> pa.Table:
     tables = []
     for file in _parquet_files(path):
@@ -434,7 +476,15 @@ def _load_table(path: Path, *, skipped: list[str] | None = None) -> pa.Table:
     merged = pa.concat_tables(tables, promote_options="permissive")
     known = [c.name for c in COLUMNS]
     extras = [name for name in merged.column_names if name not in known]
-    return merged.select(known + extras)
+    return _drop_repeats(merged.select(known + extras))
+
+
+def _drop_repeats(table: pa.Table) -> pa.Table:
+    """One copy of each measurement: rows equal in point_id, sweep_id and started_at are the same row twice on disk
+    (a compaction interrupted between writing its merged file and removing the originals)."""
+    keys = pd.DataFrame({name: table.column(name).to_pandas() for name in _MEASUREMENT_KEY})
+    first = ~keys.duplicated(keep="first").to_numpy()
+    return table if first.all() else table.filter(pa.array(first))
 
 
 def _parquet_files(path: Path) -> list[Path]:
@@ -529,6 +579,132 @@ def export(src: str | Path, out: str | Path) -> Path:
     return out
 
 
+# ------------------------------------------------------------------------------------------------------- compact
+
+
+def compact(results_dir: str | Path, *, sweep: str | None = None) -> list[dict]:
+    """Merge the row files of every sweep folder under results_dir (or only the folder named `sweep`) into one
+    `compacted-<time>.parquet` per folder; returns a line per folder it changed: {folder, files, rows, bytes_before,
+    bytes_after}.
+
+    The merged file is written atomically and read back; its rows must equal the inputs' (count and content) before
+    any original is removed, so a failed check leaves everything as it was. Killed between the write and the removal,
+    the rows exist twice on disk, which load() reads once (rows equal in point_id, sweep_id and started_at), and the
+    next run finishes the job. Idempotent: a folder holding one compacted file and nothing else is left alone.
+    Unreadable files stay where they are, with a warning; profiler tables (.ops.parquet) are not rows and stay too.
+    """
+    root = Path(results_dir)
+    if not root.is_dir():
+        raise ValueError(f"results_dir: {root} is not a directory")
+    folders = sorted({file.parent for file in _parquet_files(root)})
+    if sweep is not None:
+        folders = [folder for folder in folders if folder.name == sweep]
+        if not folders:
+            raise ValueError(f"--sweep: no folder named {sweep!r} with rows under {root}")
+    return [line for folder in folders if (line := _compact_folder(folder)) is not None]
+
+
+def _compact_folder(folder: Path) -> dict | None:
+    files = [file for file in _parquet_files(folder) if file.parent == folder]
+    if len(files) == 1 and files[0].name.startswith(COMPACTED_PREFIX):
+        return None  # done already
+    readable, tables = [], []
+    for file in files:
+        try:
+            tables.append(_conform(table=_read_parquet(file), source=file))
+            readable.append(file)
+        except ValueError as exc:
+            logger.warning("compact: left in place: %s", exc)
+    if len(readable) < 2 and not (readable and not readable[0].name.startswith(COMPACTED_PREFIX)):
+        return None  # nothing to merge
+    merged = _drop_repeats(pa.concat_tables(tables, promote_options="permissive"))
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S-%f")
+    target = folder / f"{COMPACTED_PREFIX}{stamp}.parquet"
+    _write_parquet_atomic(table=merged, path=target)
+    expected, written = _table_to_frame(merged), load(target)
+    if not _same_rows(expected, written):
+        target.unlink()
+        raise ValueError(
+            f"compact: {target} did not read back as the {len(expected)} rows of {folder}; nothing removed"
+        )
+    bytes_before = sum(file.stat().st_size for file in readable)
+    for file in readable:  # the merged file is whole and checked: only now do the originals go
+        file.unlink()
+    _fsync_directory(folder)
+    return {
+        "folder": str(folder),
+        "files": len(readable),
+        "rows": len(written),
+        "bytes_before": bytes_before,
+        "bytes_after": target.stat().st_size,
+    }
+
+
+def _same_rows(a: pd.DataFrame, b: pd.DataFrame) -> bool:
+    if len(a) != len(b) or list(a.columns) != list(b.columns):
+        return False
+    order = list(_MEASUREMENT_KEY)
+    a = a.sort_values(order, ignore_index=True).astype(object).where(a.notna(), None)
+    b = b.sort_values(order, ignore_index=True).astype(object).where(b.notna(), None)
+    return a.equals(b)
+
+
+# ---------------------------------------------------------------------------------------------------------- diff
+
+
+def pick_row(rows: pd.DataFrame, wanted: str, argument: str) -> pd.Series:
+    """The row whose point_id is `wanted` or starts with it (unique); of several runs of it, the latest."""
+    matches = rows[rows["point_id"].astype(str).str.startswith(wanted)]
+    if matches.empty:
+        raise ValueError(f"{argument}: no row's point_id starts with {wanted!r}")
+    if matches["point_id"].nunique() > 1:
+        raise ValueError(f"{argument}: {wanted!r} matches {matches['point_id'].nunique()} points; give more of the id")
+    if len(matches) > 1:
+        logger.info("%s: %s was measured %d times; the latest row is compared", argument, wanted, len(matches))
+    return matches.sort_values("started_at", na_position="first").iloc[-1]
+
+
+def diff_rows(a: pd.Series, b: pd.Series) -> list[str]:
+    """'column: a -> b' for every column that differs, and 'config.<key>: a -> b' for every differing key of the
+    two rows' config_json."""
+    lines = []
+    for column in a.index:
+        if column == "config_json":
+            continue
+        left, right = a[column], b.get(column)
+        if _differs(left, right):
+            lines.append(f"{column}: {_short(left)} -> {_short(right)}")
+    configs = [json.loads(row["config_json"]) if isinstance(row.get("config_json"), str) else {} for row in (a, b)]
+    flat = [_flatten(config) for config in configs]
+    for key in sorted(set(flat[0]) | set(flat[1])):
+        if flat[0].get(key) != flat[1].get(key):
+            lines.append(f"config.{key}: {flat[0].get(key)} -> {flat[1].get(key)}")
+    return lines
+
+
+def _differs(left: object, right: object) -> bool:
+    if isinstance(left, list) or isinstance(right, list):
+        return left != right
+    if pd.isna(left) and pd.isna(right):
+        return False
+    return bool(pd.isna(left) != pd.isna(right) or left != right)
+
+
+def _short(value: object) -> str:
+    text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _flatten(config: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat |= _flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 # -------------------------------------------------------------------------------------------------------- summary
 
 
@@ -616,6 +792,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     show_parser.add_argument("src", type=Path, help="results directory (searched recursively) or .parquet file")
     show_parser.add_argument("--sweep", metavar="ID", help="only rows whose sweep_id is ID")
     commands.add_parser("columns", help="print the column contract as a Markdown table")
+    compact_parser = commands.add_parser("compact", help="merge each sweep folder's point files into one file")
+    compact_parser.add_argument("results_dir", type=Path, help="results directory (every sweep folder under it)")
+    compact_parser.add_argument("--sweep", metavar="ID", help="only the sweep folder named ID")
+    diff_parser = commands.add_parser("diff", help="what differs between two rows (config, environment, figures)")
+    diff_parser.add_argument("src", type=Path, help="results directory (searched recursively) or .parquet file")
+    diff_parser.add_argument("a", help="a point_id, or a unique prefix of one")
+    diff_parser.add_argument("b", help="another point_id, or a unique prefix of one")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -627,6 +810,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.sweep is not None:
                 df = df[df["sweep_id"] == args.sweep]
             print(format_summary(df))
+        elif args.command == "compact":
+            for line in compact(args.results_dir, sweep=args.sweep):
+                print(
+                    f"{line['folder']}: {line['files']} files -> 1, {line['rows']} rows, "
+                    f"{line['bytes_before'] / 2**20:.2f} -> {line['bytes_after'] / 2**20:.2f} MiB"
+                )
+        elif args.command == "diff":
+            rows = load(args.src)
+            print("\n".join(diff_rows(pick_row(rows, args.a, "a"), pick_row(rows, args.b, "b"))) or "no differences")
         else:
             print(columns_markdown(), end="")
     except (ValueError, FileNotFoundError) as exc:

@@ -1,12 +1,19 @@
-"""Run a point in its own spawned process, so that one OOM or crash cannot poison the next point.
+"""Run a point in a spawned worker process, so that one OOM or crash cannot poison the next point.
 
-Whatever happens in the child becomes a row: `ok` with its measurements, `oom` when memory ran out (torch's
-allocator, the KV pool, or the kernel's OOM killer), `error` with the message otherwise. The parent never raises
-for a point's failure; a sweep goes on.
+Whatever happens in the worker becomes a row: `ok` with its measurements, `oom` when memory ran out (torch's
+allocator, the KV pool, or the kernel's OOM killer), `error` with the message otherwise, and `error` naming the
+signal when the worker dies (a segfault, a kill). The parent never raises for a point's failure; a sweep goes on.
+
+Isolation without its price: starting Python and importing torch costs seconds, so a worker whose point ended ok
+or unsupported stays warm for the next point of the sweep (optimum-benchmark spawns per run; we spawn again only
+after a failure). Each point still gets its own peak RSS (probes.reset_peak_rss), and a worker is replaced after an
+OOM, an error, a death, or a point capped by max_memory_gb (reusable()).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import logging
 import multiprocessing as mp
@@ -15,10 +22,11 @@ import resource
 import signal
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 
-from harness import bench, ceilings
+from harness import bench, ceilings, probes
 from harness.config import RunConfig
 from harness.kv.base import Unsupported
 
@@ -50,37 +58,137 @@ def ensure_ceilings(cfg: RunConfig) -> None:
 
 
 def run_point(cfg: RunConfig) -> dict:
-    """The row for one point: measured in a spawned child when cfg.isolate, else in this process."""
+    """The row for one point: measured in a spawned worker when cfg.isolate, else in this process."""
+    global _warm
     ensure_ceilings(cfg)
     if not cfg.isolate:
         if cfg.max_memory_gb is not None:
             log.warning("max_memory_gb is applied only to isolated points; isolate=false ignores it")
         return _guarded(cfg)
-    ctx = mp.get_context("spawn")  # never fork a process that may hold a CUDA context
-    receiver, sender = ctx.Pipe(duplex=False)
-    child = ctx.Process(
-        target=_child_main, args=(cfg, sender, os.getpid()), name=f"kvbench-{cfg.point_id()}", daemon=True
-    )
-    child.start()
-    sender.close()  # the child holds the only write end: EOF below means it died without a word
-    try:
-        row = receiver.recv()
-    except EOFError:
-        row = None
-    child.join()
-    if row is not None:
-        return row
-    if child.exitcode == -signal.SIGKILL:
-        return failure_row(cfg, "oom", "measuring process killed by SIGKILL (the host ran out of memory?)")
-    return failure_row(cfg, "error", f"measuring process died with exit code {child.exitcode}")
+    worker, _warm = _warm, None
+    if worker is None or not worker.alive():
+        if worker is not None:
+            worker.close()
+        worker = Worker()
+    oom_kills = cgroup_oom_kills()
+    row = worker.run(cfg)
+    if row is None:  # the worker died inside the point: a segfault, a kill, the kernel's OOM killer
+        row = death_row(cfg, worker.exitcode(), oom_killed=cgroup_oom_kills() > oom_kills)
+        worker.close()
+    elif reusable(cfg, row) and worker.peak_resettable:
+        _warm = worker  # warm for the next point: no interpreter start, no torch import
+    else:
+        worker.close()
+    return row
 
 
-def _child_main(cfg: RunConfig, sender, parent_pid: int) -> None:
+def reusable(cfg: RunConfig, row: dict) -> bool:
+    """Whether the worker that measured `row` may measure the next point. Not after an OOM or an error (the
+    allocator, the heap or the CUDA context may be left in a bad state), nor after a max_memory_gb cap (RLIMIT_DATA
+    counts heap the process keeps), nor when reuse_worker is off."""
+    return cfg.reuse_worker and cfg.max_memory_gb is None and row.get("status") in ("ok", "unsupported")
+
+
+class Worker:
+    """A spawned measuring process that serves points one at a time over a pipe (spawn: never fork a process that
+    may hold a CUDA context). Its first message says whether it can reset its peak RSS between points."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child_end = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_worker_main, args=(child_end, os.getpid()), name="kvbench-worker", daemon=True
+        )
+        self.process.start()
+        child_end.close()  # the child holds the only other end: EOF below means it died
+        try:
+            self.peak_resettable = bool(self.conn.recv())
+        except EOFError:
+            self.peak_resettable = False
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def run(self, cfg: RunConfig) -> dict | None:
+        """The point's row, or None when the worker died before answering."""
+        try:
+            self.conn.send(cfg)
+            return self.conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            return None
+
+    def exitcode(self) -> int | None:
+        self.process.join(timeout=10)
+        return self.process.exitcode
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self.conn.send(None)  # asks the loop to end
+            self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+
+
+_warm: Worker | None = None  # the worker kept warm between points of this process (a sweep's parent)
+
+
+@atexit.register
+def _close_warm_worker() -> None:
+    if _warm is not None:
+        _warm.close()
+
+
+def _worker_main(conn, parent_pid: int) -> None:
     die_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    limit_memory(cfg)
-    sender.send(_guarded(cfg))
-    sender.close()
+    conn.send(probes.reset_peak_rss())
+    while True:
+        try:
+            cfg = conn.recv()
+        except EOFError:
+            return
+        if cfg is None:
+            return
+        probes.reset_peak_rss()  # this point's peak, not the last one's
+        limit_memory(cfg)
+        conn.send(_guarded(cfg))
+
+
+def death_row(cfg: RunConfig, exitcode: int | None, *, oom_killed: bool) -> dict:
+    """The row of a point whose measuring process died without a word: `oom` when the kernel's OOM killer took it
+    (this cgroup's oom_kill count rose meanwhile), else `error` naming the signal or exit code."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            how = f"killed by signal {signal.Signals(-exitcode).name} ({-exitcode})"
+        except ValueError:
+            how = f"killed by signal {-exitcode}"
+    else:
+        how = f"exited with code {exitcode}"
+    if oom_killed:
+        return failure_row(cfg, "oom", f"measuring process {how}: the kernel's OOM killer (cgroup oom_kill rose)")
+    return failure_row(cfg, "error", f"measuring process {how}")
+
+
+_CGROUP_EVENTS = (
+    Path("/sys/fs/cgroup/memory.events"),  # cgroup v2
+    Path("/sys/fs/cgroup/memory/memory.oom_control"),  # cgroup v1
+)
+
+
+def cgroup_oom_kills() -> int:
+    """How many processes the kernel's OOM killer has killed in this cgroup so far (0 when it cannot be read)."""
+    for path in _CGROUP_EVENTS:
+        try:
+            for line in path.read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            continue
+    return 0
 
 
 def _guarded(cfg: RunConfig) -> dict:

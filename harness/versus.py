@@ -265,7 +265,9 @@ def our_loop(
 
 
 def interleave(loops: dict[str, Callable[[], Any]], *, rounds: int, warmup: int = 1) -> dict[str, list[Any]]:
-    """`warmup` untimed rounds, then `rounds` rounds; each round calls every loop once, in the dict's order.
+    """`warmup` untimed rounds, then `rounds` rounds; each round calls every loop once, in the dict's order on even
+    rounds and in reverse on odd ones (A B C D, D C B A, ...), so that no loop always runs first or after the same
+    neighbour: a position effect (caches, clocks) then cancels instead of biasing one loop.
 
     Returns each loop's results from the measured rounds, in round order.
     """
@@ -274,7 +276,8 @@ def interleave(loops: dict[str, Callable[[], Any]], *, rounds: int, warmup: int 
             run_once()
     measured: dict[str, list[Any]] = {name: [] for name in loops}
     for round_index in range(rounds):
-        for name, run_once in loops.items():
+        order = list(loops.items())
+        for name, run_once in order if round_index % 2 == 0 else reversed(order):
             measured[name].append(run_once())
         log.info("round %d/%d done", round_index + 1, rounds)
     return measured
@@ -314,6 +317,44 @@ def measure_case(cfg: RunConfig, *, our_model: Transformer, hf_model: Any, round
             row["kv_bytes_allocated"] = cache.kv_bytes_allocated()
         rows.append(row)
     return rows
+
+
+def linear_only_ms(model: Transformer, *, batch_size: int, repeats: int = 9) -> float:
+    """The median time of one decode step's matrix products alone (ms): every nn.Linear of the model, each against a
+    [batch_size, in_features] input, back to back. No attention, norms, sampling or cache: the floor that torch's
+    GEMV/GEMM sets for any PyTorch decode loop on this device, to set our TPOT and the copy bandwidth beside."""
+    parameter = next(model.parameters())
+    layers = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    inputs = [
+        torch.randn(batch_size, layer.in_features, dtype=parameter.dtype, device=parameter.device) for layer in layers
+    ]
+
+    def step() -> None:
+        for layer, x in zip(layers, inputs, strict=True):
+            layer(x)
+
+    with torch.inference_mode():
+        step()
+        times = []
+        for _ in range(repeats):
+            if parameter.device.type == "cuda":
+                torch.cuda.synchronize(parameter.device)
+            started = time.perf_counter()
+            step()
+            if parameter.device.type == "cuda":
+                torch.cuda.synchronize(parameter.device)
+            times.append(time.perf_counter() - started)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def linear_bytes(model: Transformer) -> int:
+    """The bytes of every nn.Linear's weight and bias: what linear_only_ms reads per step."""
+    return sum(
+        p.numel() * p.element_size()
+        for module in model.modules()
+        if isinstance(module, torch.nn.Linear)
+        for p in module.parameters()
+    )
 
 
 def _hf_loop(model: Any, prompt: torch.Tensor, *, gen_len: int, cache_implementation: str | None):

@@ -25,7 +25,7 @@ TIMEOUT_S = 30  # one run on 2 busy cores; AppTest's default is 3 s
 KNEE_SWEEP = "fixture-crossover"
 KNEE_BATCHES = (1, 4, 16)
 COMMITTED_REFERENCE = data.REFERENCE_DIR  # results/reference: real rows of three sweeps
-QUICKSTART_SWEEP = "20261130-235805"  # results/reference/cpu-quickstart: none, contiguous, paged × 3 prompts
+QUICKSTART_SWEEP = "20261201-011418"  # results/reference/cpu-quickstart: none, contiguous, paged × 3 prompts
 NEWER_COLUMNS = [  # what a row of an older schema lacks (written as nulls)
     "arithmetic_intensity",
     "achieved_tflops",

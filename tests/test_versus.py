@@ -111,15 +111,15 @@ def test_a_case_gives_one_row_per_loop_each_with_its_runner_cache_and_a_positive
         results.write_point(row | {"sweep_id": "bench-test"}, tmp_path)
 
 
-def test_rounds_run_every_loop_once_in_order_after_a_warm_up_each():
+def test_rounds_run_every_loop_once_alternating_the_order_after_a_warm_up_each():
     calls = []
 
     def loop(name):
         return lambda: calls.append(name) or f"{name}{len(calls)}"
 
-    measured = versus.interleave({name: loop(name) for name in "ABC"}, rounds=2, warmup=1)
-    assert "".join(calls) == "ABC" + "ABCABC"
-    assert measured == {"A": ["A4", "A7"], "B": ["B5", "B8"], "C": ["C6", "C9"]}  # warm-up excluded
+    measured = versus.interleave({name: loop(name) for name in "ABC"}, rounds=3, warmup=1)
+    assert "".join(calls) == "ABC" + "ABC" + "CBA" + "ABC"  # no loop always first: position effects cancel
+    assert measured == {"A": ["A4", "A9", "A10"], "B": ["B5", "B8", "B11"], "C": ["C6", "C7", "C12"]}
 
 
 # --- timing ---------------------------------------------------------------------------------------------------------

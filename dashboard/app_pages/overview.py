@@ -6,7 +6,7 @@ import streamlit as st
 from dashboard import charts, data
 from dashboard.sidebar import current, page_rows, plot
 
-STATUSES = ("ok", "oom", "error", "unsupported")
+STATUSES = ("ok", "oom", "skipped_oom", "error", "unsupported")
 TABLE_COLUMNS = (  # the rows table's columns unless more are picked: identity, workload, outcome, headline figures
     "source",
     "sweep_id",
