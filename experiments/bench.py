@@ -220,9 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"FAILED {row['dtype']} batch {row['batch_size']} {row['cache']}: {row['status']} {row['error']}")
     print(f"rows: {out_dir}")
     if ok:
-        print(versus.format_table(ok))
-        print()
         print(floor_table(ok))
+        print()
+        print(versus.format_table(ok))  # last: its verdict lines end the output
     return 0 if len(ok) == len(rows) else 1
 
 

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from harness.model import ModelArgs, build_model
+
+# Without a GPU the Triton kernels run in Triton's interpreter, which must be on when triton itself is first
+# imported: triton.language's own @jit helpers are built then, and torch.compile (tests/test_compile.py) imports
+# triton before tests/test_triton_paged.py runs. On a GPU machine the kernels compile for the device instead.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,15 +2,16 @@
 the Triton kernel against both, on random block tables, ragged lengths, GQA groups 1/4/8, head_dim 64/128, and every
 storage format the kernel reads (plain, int8, fp8 with their per-token scales).
 
-Without a GPU the kernel runs in Triton's interpreter on CPU tensors: TRITON_INTERPRET=1 must be set when the kernel
-module is imported (the decorator reads it) and while it runs (Triton reads it again on the way), so it is set here
-around that import and, by a fixture, around each test; never for the whole session, where it would turn a GPU run's
-kernels into interpreted ones. With a GPU the same tests run the compiled kernel on CUDA tensors. Skipped, with the
-reason, where triton is not installed.
+Without a GPU the kernel runs in Triton's interpreter on CPU tensors: TRITON_INTERPRET=1 must be set when triton is
+first imported (triton.language's own helpers are built then), when the kernel module is imported, and while it runs.
+tests/conftest.py sets it for the whole session when there is no GPU; here it is set again around the import and, by
+a fixture, around each test, for a run of this file alone. With a GPU it is never set, and the same tests run the
+compiled kernel on CUDA tensors. Skipped, with the reason, where triton is not installed.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 
@@ -37,6 +38,9 @@ def _import_kernel_module():
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         from harness.kv import triton_paged
+
+        if not triton_paged.INTERPRETED:  # imported earlier in this session (harness.kv does): decorate again
+            triton_paged = importlib.reload(triton_paged)
     finally:
         if saved is None:
             del os.environ["TRITON_INTERPRET"]
