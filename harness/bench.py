@@ -9,6 +9,7 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import math
 import platform
 import socket
 import statistics
@@ -256,8 +257,24 @@ def config_columns(cfg: RunConfig) -> dict:
         "seed": cfg.seed,
         "max_memory_gb": cfg.max_memory_gb,
         # Everything, as resolved: `python -m harness.results diff` lists what changed between two rows.
-        "config_json": json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str),
+        "config_json": config_json(cfg),
     }
+
+
+def config_json(cfg: RunConfig) -> str:
+    """The whole RunConfig as strict JSON (sorted keys), readable by any JSON parser: a non-finite float (say
+    max_time_s=inf) is written as its string, and anything JSON has no type for (a Path) as str()."""
+    return json.dumps(_json_safe(dataclasses.asdict(cfg)), sort_keys=True, allow_nan=False, default=str)
+
+
+def _json_safe(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "inf", "-inf", "nan": json.dumps would write Infinity/NaN, which is not JSON
+    if isinstance(value, dict):
+        return {str(key): _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    return value
 
 
 def environment_columns(device: torch.device) -> dict:
@@ -299,7 +316,8 @@ def git_sha() -> str | None:
 @functools.cache
 def git_dirty() -> bool | None:
     """Uncommitted changes to tracked files (untracked files, such as results, do not count)."""
-    out = _git("status", "--porcelain", "--untracked-files=no")
+    # --no-optional-locks: status must not take index.lock to refresh the index, or a commit made meanwhile fails.
+    out = _git("--no-optional-locks", "status", "--porcelain", "--untracked-files=no")
     return None if out is None else bool(out.strip())
 
 
@@ -322,7 +340,10 @@ def kvbench_version() -> str | None:
         return None
 
 
+@functools.cache
 def nvidia_driver_version() -> str | None:
+    """The NVIDIA driver's version through NVML (package nvidia-ml-py), or None without it: cached, since the driver
+    cannot change under a running process."""
     try:
         import pynvml  # nvidia-ml-py
 

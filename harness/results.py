@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -361,6 +362,7 @@ def write_point(row: dict, directory: str | Path) -> Path:
 FRONTIER_PREFIX = "frontier-"  # capacity OOM-frontier tables: <results_dir>/capacity/frontier-<time>.parquet
 _IDENTITY_COLUMNS = ("point_id", "status")  # a parquet file without them is not a result row
 _MEASUREMENT_KEY = ("point_id", "sweep_id", "started_at")  # one measurement; load() keeps one row per key
+REFERENCE_DIR = "reference"  # <results_dir>/reference: committed runs, left alone by compact (and by resume)
 COMPACTED_PREFIX = "compacted-"  # python -m harness.results compact: <sweep dir>/compacted-<time>.parquet
 OPS_SUFFIX = ".ops.parquet"  # a point's profiler top-ops table, beside its row: <point_id>.ops.parquet
 
@@ -432,6 +434,11 @@ def load(path: str | Path, *, skipped: list[str] | None = None) -> pd.DataFrame:
     A file in a directory that is not a result table (truncated, garbage, a foreign parquet without point_id and
     status, a column of the wrong type) is skipped with a warning naming it, so one bad file never hides the rest;
     "<path>: <reason>" is appended to `skipped` when a list is given. A single file given as `path` raises instead.
+
+    Rows equal in point_id, sweep_id and started_at are one measurement stored twice (a compaction killed between
+    writing its merged file and removing the originals, or a sweep folder copied beside itself): only the first
+    copy is kept, so no reader counts a measurement twice. Two runs of the same point differ in started_at and both
+    stay.
     """
     return _table_to_frame(_load_table(Path(path), skipped=skipped))
 
@@ -441,14 +448,18 @@ INDEX_COLUMNS = ("point_id", "sweep_id", "status", "error", "device_name", "star
 
 def index(path: str | Path, *, skipped: list[str] | None = None) -> pd.DataFrame:
     """One line per row under `path`: INDEX_COLUMNS and the `path` of its file, reading only those columns of each
-    file, so that a resume can look up hundreds of points in a second. Unreadable files are skipped as by load()."""
+    file, so that a resume can look up hundreds of points in a second (load() reads every column, itl_ms lists
+    included). Same files as load(): unreadable ones are skipped (and listed in `skipped`), a column a file lacks is
+    null, and a measurement stored twice (equal point_id, sweep_id, started_at) is one line."""
     lines = []
     for file in _parquet_files(Path(path)):
         try:
-            present = pq.read_schema(file).names
-            if any(name not in present for name in _IDENTITY_COLUMNS):
-                raise ValueError(f"{file}: not a kvbench result table (no point_id or status column)")
-            frame = pq.read_table(file, columns=[c for c in INDEX_COLUMNS if c in present]).to_pandas()
+            parquet = pq.ParquetFile(file)  # reads the footer once: the schema, then only the wanted column chunks
+            present = parquet.schema_arrow.names
+            missing = [name for name in _IDENTITY_COLUMNS if name not in present]
+            if missing:
+                raise ValueError(f"not a kvbench result table (no {', '.join(missing)} column)")
+            frame = parquet.read(columns=[c for c in INDEX_COLUMNS if c in present]).to_pandas()
         except (pa.ArrowInvalid, OSError, ValueError) as exc:
             logger.warning("skipped %s: %s", file, exc)
             if skipped is not None:
@@ -457,7 +468,8 @@ def index(path: str | Path, *, skipped: list[str] | None = None) -> pd.DataFrame
         lines.append(frame.reindex(columns=list(INDEX_COLUMNS)).assign(path=str(file)))
     if not lines:
         return pd.DataFrame(columns=[*INDEX_COLUMNS, "path"], dtype=object)
-    return pd.concat(lines, ignore_index=True)
+    merged = pd.concat(lines, ignore_index=True)
+    return merged.drop_duplicates(subset=list(_MEASUREMENT_KEY), keep="first", ignore_index=True)
 
 
 def _load_table(path: Path, *, skipped: list[str] | None = None) -> pa.Table:
@@ -592,11 +604,16 @@ def compact(results_dir: str | Path, *, sweep: str | None = None) -> list[dict]:
     the rows exist twice on disk, which load() reads once (rows equal in point_id, sweep_id and started_at), and the
     next run finishes the job. Idempotent: a folder holding one compacted file and nothing else is left alone.
     Unreadable files stay where they are, with a warning; profiler tables (.ops.parquet) are not rows and stay too.
+    <results_dir>/reference/ (committed reference runs) is left alone unless given as results_dir itself.
+    Columns come in COLUMNS order, then any columns unknown to this schema, kept as load() keeps them. A file that
+    changes while it is being merged (a running sweep rewriting its point) is left in place, never deleted.
     """
     root = Path(results_dir)
     if not root.is_dir():
         raise ValueError(f"results_dir: {root} is not a directory")
     folders = sorted({file.parent for file in _parquet_files(root)})
+    reference = root / REFERENCE_DIR  # committed reference runs: compacting them would delete tracked files
+    folders = [folder for folder in folders if folder != reference and reference not in folder.parents]
     if sweep is not None:
         folders = [folder for folder in folders if folder.name == sweep]
         if not folders:
@@ -608,71 +625,120 @@ def _compact_folder(folder: Path) -> dict | None:
     files = [file for file in _parquet_files(folder) if file.parent == folder]
     if len(files) == 1 and files[0].name.startswith(COMPACTED_PREFIX):
         return None  # done already
-    readable, tables = [], []
+    readable, tables, unreadable = {}, [], 0  # readable: file -> its stat when read
     for file in files:
         try:
+            stat = file.stat()
             tables.append(_conform(table=_read_parquet(file), source=file))
-            readable.append(file)
-        except ValueError as exc:
+            readable[file] = stat
+        except (ValueError, FileNotFoundError) as exc:  # FileNotFoundError: removed since the listing
             logger.warning("compact: left in place: %s", exc)
-    if len(readable) < 2 and not (readable and not readable[0].name.startswith(COMPACTED_PREFIX)):
-        return None  # nothing to merge
+            unreadable += 1
+    if len(readable) < 2 and all(file.name.startswith(COMPACTED_PREFIX) for file in readable):
+        return None  # nothing to merge: no file, or one compacted file beside unreadable ones
     merged = _drop_repeats(pa.concat_tables(tables, promote_options="permissive"))
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S-%f")
     target = folder / f"{COMPACTED_PREFIX}{stamp}.parquet"
     _write_parquet_atomic(table=merged, path=target)
-    expected, written = _table_to_frame(merged), load(target)
-    if not _same_rows(expected, written):
+    try:
+        written = load(target)
+        same = _same_rows(_table_to_frame(merged), written)
+    except ValueError:
+        same = False
+    if not same:
         target.unlink()
         raise ValueError(
-            f"compact: {target} did not read back as the {len(expected)} rows of {folder}; nothing removed"
+            f"compact: {target} did not read back as the {merged.num_rows} rows of {folder}; nothing removed"
         )
-    bytes_before = sum(file.stat().st_size for file in readable)
-    for file in readable:  # the merged file is whole and checked: only now do the originals go
+    # The merged file is whole and checked: only now do the originals go, each only if it is still the file read.
+    removed = []
+    for file, stat in readable.items():
+        try:
+            now = file.stat()
+        except FileNotFoundError:
+            continue
+        if (now.st_ino, now.st_size, now.st_mtime_ns) != (stat.st_ino, stat.st_size, stat.st_mtime_ns):
+            logger.warning("compact: %s changed while being merged; left in place for the next run", file)
+            continue
         file.unlink()
+        removed.append(stat.st_size)
     _fsync_directory(folder)
     return {
         "folder": str(folder),
-        "files": len(readable),
+        "files": len(removed),
         "rows": len(written),
-        "bytes_before": bytes_before,
+        "bytes_before": sum(removed),
         "bytes_after": target.stat().st_size,
+        "unreadable": unreadable,
     }
 
 
 def _same_rows(a: pd.DataFrame, b: pd.DataFrame) -> bool:
+    """The same columns and, measurement by measurement (rows sorted by _MEASUREMENT_KEY), the same values; nulls
+    and NaNs equal themselves. Both frames hold each measurement once (see _drop_repeats), so the sort is total."""
     if len(a) != len(b) or list(a.columns) != list(b.columns):
         return False
     order = list(_MEASUREMENT_KEY)
-    a = a.sort_values(order, ignore_index=True).astype(object).where(a.notna(), None)
-    b = b.sort_values(order, ignore_index=True).astype(object).where(b.notna(), None)
-    return a.equals(b)
+    a, b = a.sort_values(order, ignore_index=True), b.sort_values(order, ignore_index=True)
+    return all(_same_value(x, y) for column in a.columns for x, y in zip(a[column], b[column], strict=True))
+
+
+def _same_value(x: object, y: object) -> bool:
+    """Equality for one cell: lists (itl_ms; extra list columns arrive as arrays) element by element, NaN == NaN,
+    and a null equals only a null."""
+    if isinstance(x, (list, tuple, np.ndarray)) or isinstance(y, (list, tuple, np.ndarray)):
+        if not isinstance(x, (list, tuple, np.ndarray)) or not isinstance(y, (list, tuple, np.ndarray)):
+            return False
+        return len(x) == len(y) and all(_same_value(p, q) for p, q in zip(x, y, strict=True))
+    x_null, y_null = bool(pd.isna(x)), bool(pd.isna(y))
+    if x_null or y_null:
+        return x_null and y_null
+    return bool(x == y)
 
 
 # ---------------------------------------------------------------------------------------------------------- diff
 
 
 def pick_row(rows: pd.DataFrame, wanted: str, argument: str) -> pd.Series:
-    """The row whose point_id is `wanted` or starts with it (unique); of several runs of it, the latest."""
-    matches = rows[rows["point_id"].astype(str).str.startswith(wanted)]
+    """The row whose point_id is `wanted` or starts with it (unique); of several runs of it, the latest. An exact
+    point_id wins over longer ids it is a prefix of."""
+    ids = rows["point_id"].astype(str)
+    matches = rows[ids == wanted] if (ids == wanted).any() else rows[ids.str.startswith(wanted)]
     if matches.empty:
         raise ValueError(f"{argument}: no row's point_id starts with {wanted!r}")
     if matches["point_id"].nunique() > 1:
         raise ValueError(f"{argument}: {wanted!r} matches {matches['point_id'].nunique()} points; give more of the id")
     if len(matches) > 1:
-        logger.info("%s: %s was measured %d times; the latest row is compared", argument, wanted, len(matches))
+        logger.info(
+            "%s: %s was measured %d times; comparing the latest (started_at %s)",
+            argument,
+            matches["point_id"].iloc[0],
+            len(matches),
+            matches["started_at"].max(),
+        )
     return matches.sort_values("started_at", na_position="first").iloc[-1]
+
+
+def read_row(line: pd.Series) -> pd.Series:
+    """The whole row an index() line points at: its file is read, and the row equal in _MEASUREMENT_KEY taken."""
+    rows = load(line["path"])
+    same = pd.Series(True, index=rows.index)
+    for key in _MEASUREMENT_KEY:
+        same &= rows[key].isna() if pd.isna(line[key]) else (rows[key] == line[key]).fillna(False).astype(bool)
+    if not same.any():
+        raise ValueError(f"{line['path']}: changed since it was indexed (a compaction or a sweep ran); try again")
+    return rows[same].iloc[0]
 
 
 def diff_rows(a: pd.Series, b: pd.Series) -> list[str]:
     """'column: a -> b' for every column that differs, and 'config.<key>: a -> b' for every differing key of the
     two rows' config_json."""
     lines = []
-    for column in a.index:
+    for column in a.index.union(b.index, sort=False):  # extras unknown to COLUMNS may be in one row only
         if column == "config_json":
             continue
-        left, right = a[column], b.get(column)
-        if _differs(left, right):
+        left, right = a.get(column), b.get(column)
+        if not _same_value(left, right):
             lines.append(f"{column}: {_short(left)} -> {_short(right)}")
     configs = [json.loads(row["config_json"]) if isinstance(row.get("config_json"), str) else {} for row in (a, b)]
     flat = [_flatten(config) for config in configs]
@@ -680,14 +746,6 @@ def diff_rows(a: pd.Series, b: pd.Series) -> list[str]:
         if flat[0].get(key) != flat[1].get(key):
             lines.append(f"config.{key}: {flat[0].get(key)} -> {flat[1].get(key)}")
     return lines
-
-
-def _differs(left: object, right: object) -> bool:
-    if isinstance(left, list) or isinstance(right, list):
-        return left != right
-    if pd.isna(left) and pd.isna(right):
-        return False
-    return bool(pd.isna(left) != pd.isna(right) or left != right)
 
 
 def _short(value: object) -> str:
@@ -811,14 +869,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 df = df[df["sweep_id"] == args.sweep]
             print(format_summary(df))
         elif args.command == "compact":
-            for line in compact(args.results_dir, sweep=args.sweep):
+            lines = compact(args.results_dir, sweep=args.sweep)
+            for line in lines:
+                left = f", {line['unreadable']} unreadable left in place" if line["unreadable"] else ""
                 print(
                     f"{line['folder']}: {line['files']} files -> 1, {line['rows']} rows, "
-                    f"{line['bytes_before'] / 2**20:.2f} -> {line['bytes_after'] / 2**20:.2f} MiB"
+                    f"{line['bytes_before'] / 2**20:.2f} -> {line['bytes_after'] / 2**20:.2f} MiB{left}"
                 )
+            if not lines:
+                print(f"{args.results_dir}: nothing to compact")
         elif args.command == "diff":
-            rows = load(args.src)
-            print("\n".join(diff_rows(pick_row(rows, args.a, "a"), pick_row(rows, args.b, "b"))) or "no differences")
+            indexed = index(args.src)  # only the two rows' files are then read whole
+            a, b = (read_row(pick_row(indexed, wanted, name)) for wanted, name in ((args.a, "a"), (args.b, "b")))
+            print("\n".join(diff_rows(a, b)) or "no differences")
         else:
             print(columns_markdown(), end="")
     except (ValueError, FileNotFoundError) as exc:

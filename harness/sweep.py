@@ -25,7 +25,7 @@ from harness import capacity, results
 from harness.config import ConfigError, RunConfig
 
 SKIPPED = "skipped"  # what experiments.decode.main answers for a point it found recorded
-REFERENCE = "reference"  # <results_dir>/reference: committed reference runs, which resume never counts as done
+REFERENCE = results.REFERENCE_DIR  # committed reference runs, which resume never counts as done
 FINAL = ("ok", "oom", "unsupported", "skipped_oom")  # statuses a rerun would only repeat; `error` is retried
 # Columns that must match between an OOM row and a point for the backstop to compare them: the same model, strategy,
 # formats and options; only the batch and the lengths may differ.

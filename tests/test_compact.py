@@ -84,3 +84,71 @@ def test_the_cli_compacts_and_rejects_a_missing_folder(tmp_path, capsys):
     assert "2 files -> 1, 2 rows" in capsys.readouterr().out
     assert results.main(["compact", str(tmp_path / "nope")]) == 2
     assert results.main(["compact", str(tmp_path), "--sweep", "other"]) == 2
+
+
+def test_rows_with_nans_and_nulls_compact(tmp_path):
+    folder = tmp_path / "s1"
+    results.write_point(_row(point_id="a", itl_ms=[1.0, float("nan")], ttft_ms=float("nan"), error=None), folder)
+    results.write_point(_row(point_id="b", itl_ms=None, tpot_ms=None, started_at=None), folder)
+    before = rows_of(tmp_path)
+
+    (line,) = results.compact(tmp_path)
+
+    assert line["rows"] == 2
+    pd.testing.assert_frame_equal(rows_of(tmp_path), before)
+
+
+def test_the_read_back_check_compares_measurements_not_positions():
+    rows = pd.DataFrame(
+        {"point_id": ["b", "a"], "sweep_id": ["s", "s"], "started_at": ["t", "t"], "ttft_ms": [float("nan"), 1.0]}
+    )
+    assert results._same_rows(rows, rows.iloc[::-1])
+    assert not results._same_rows(rows, rows.assign(ttft_ms=float("nan")))
+    assert not results._same_rows(rows, rows.assign(ttft_ms=[2.0, 1.0]))
+
+
+def test_a_point_rewritten_while_compacting_is_left_in_place(tmp_path, monkeypatch):
+    folder = sweep_folder(tmp_path, "s1", 2)
+    write = results._write_parquet_atomic
+
+    def write_while_a_sweep_reruns_p1(table, path):
+        write(table=table, path=path)
+        if path.name.startswith(results.COMPACTED_PREFIX):
+            results.write_point(_row(point_id="s1-p1", sweep_id="s1", started_at="2026-12-01T02:00:00"), folder)
+
+    monkeypatch.setattr(results, "_write_parquet_atomic", write_while_a_sweep_reruns_p1)
+    (line,) = results.compact(tmp_path)
+
+    assert line["files"] == 1 and (folder / "s1-p1.parquet").exists() and not (folder / "s1-p0.parquet").exists()
+    runs = rows_of(tmp_path).query("point_id == 's1-p1'")["started_at"]
+    assert sorted(runs) == ["2026-12-01T00:01:00", "2026-12-01T02:00:00"]  # the rerun is kept, the first run too
+
+
+def test_the_cli_counts_unreadable_files_and_says_when_there_is_nothing_to_compact(tmp_path, capsys):
+    folder = sweep_folder(tmp_path, "s1", 2)
+    (folder / "broken.parquet").write_bytes(b"garbage")
+
+    assert results.main(["compact", str(tmp_path)]) == 0
+    assert "2 files -> 1, 2 rows" in (out := capsys.readouterr().out) and "1 unreadable left in place" in out
+    assert results.main(["compact", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == f"{tmp_path}: nothing to compact"
+
+
+def test_the_cli_rejects_a_file_in_one_line_naming_it_and_touches_nothing(tmp_path, caplog):
+    folder = sweep_folder(tmp_path, "s1", 2)
+    files = sorted(folder.iterdir())
+    point = folder / "s1-p0.parquet"
+
+    assert results.main(["compact", str(point)]) == 2
+    (error,) = [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
+    assert "\n" not in error and "results_dir" in error and str(point) in error
+    assert sorted(folder.iterdir()) == files
+
+
+def test_the_committed_reference_folder_is_left_alone(tmp_path):
+    sweep_folder(tmp_path, "s1", 2)
+    reference = sweep_folder(tmp_path / "reference", "cpu-run", 2)
+    files = sorted(reference.iterdir())
+    (line,) = results.compact(tmp_path)
+    assert line["folder"].endswith("s1") and sorted(reference.iterdir()) == files
+    assert results.compact(tmp_path / "reference")  # asked for by name, it is compacted

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
+import math
 import platform
+import sys
+import types
 
+import pandas as pd
+import pytest
 import torch
 
 from harness import bench, results
@@ -41,3 +47,73 @@ def test_diff_lists_what_changed_between_two_rows(tmp_path, capsys):
     assert results.main(["diff", str(tmp_path), "aaaa", "aaaa1111"]) == 0
     assert capsys.readouterr().out.strip() == "no differences"
     assert results.main(["diff", str(tmp_path), "zzzz", "aaaa"]) == 2
+
+
+def test_config_json_round_trips_to_the_same_run_config():
+    cfg = RunConfig(model={"name": "tiny", "n_kv_heads": 1}, batch_size=2, cache={"name": "paged", "block_size": 16})
+
+    assert RunConfig(**json.loads(bench.config_columns(cfg)["config_json"])) == cfg
+
+
+def test_config_json_is_strict_json_even_for_an_infinite_budget():
+    cfg = RunConfig(model={"name": "tiny"}, max_time_s=math.inf)
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    assert json.loads(bench.config_columns(cfg)["config_json"], parse_constant=refuse)["max_time_s"] == "inf"
+
+
+def test_the_new_columns_are_written_and_read_back_with_their_types(tmp_path):
+    cfg = RunConfig(model={"name": "tiny"})
+    row = bench.config_columns(cfg) | bench.environment_columns(torch.device("cpu")) | {"status": "ok"}
+    results.write_point(row, tmp_path)
+
+    loaded = results.load(tmp_path).iloc[0]
+
+    for name in ("git_dirty", "cpu_model", "device_count", "python_version", "kvbench_version", "config_json"):
+        assert loaded[name] == row[name], name
+    assert pd.isna(loaded["driver_version"]) and pd.isna(loaded["cuda_version"])
+
+
+@pytest.mark.parametrize("failure", ["absent", "init fails"])
+def test_no_nvml_leaves_the_driver_version_null(monkeypatch, failure):
+    if failure == "absent":
+        monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    else:
+        broken = types.ModuleType("pynvml")
+        broken.nvmlInit = lambda: (_ for _ in ()).throw(OSError("NVML Shared Library Not Found"))
+        monkeypatch.setitem(sys.modules, "pynvml", broken)
+    bench.nvidia_driver_version.cache_clear()
+    try:
+        assert bench.nvidia_driver_version() is None
+    finally:
+        bench.nvidia_driver_version.cache_clear()
+
+
+def write_run(directory, point_id, started_at, batch_size=1):
+    cfg = RunConfig(model={"name": "tiny"}, batch_size=batch_size)
+    row = bench.config_columns(cfg) | bench.environment_columns(torch.device("cpu"))
+    row |= {"point_id": point_id, "sweep_id": "s", "status": "ok", "started_at": started_at}
+    results.write_point(row, directory)
+
+
+def test_diff_takes_the_latest_run_of_a_point_and_says_so(tmp_path, capsys, caplog):
+    write_run(tmp_path / "first", "aaaa1111", "2026-12-01T00:00:00+00:00", batch_size=1)
+    write_run(tmp_path / "second", "aaaa1111", "2026-12-01T01:00:00+00:00", batch_size=2)
+    write_run(tmp_path, "bbbb2222", "2026-12-01T01:00:00+00:00", batch_size=2)
+    caplog.set_level(logging.INFO, logger=results.__name__)
+
+    assert results.main(["diff", str(tmp_path), "aaaa", "bbbb"]) == 0
+
+    assert capsys.readouterr().out.splitlines() == ["point_id: aaaa1111 -> bbbb2222"]
+    assert "measured 2 times" in caplog.text and "2026-12-01T01:00:00" in caplog.text
+
+
+def test_diff_refuses_an_ambiguous_prefix_and_prefers_an_exact_id(tmp_path, caplog):
+    write_run(tmp_path, "abc", "2026-12-01T00:00:00+00:00")
+    write_run(tmp_path, "abcd", "2026-12-01T00:00:00+00:00", batch_size=2)
+
+    assert results.main(["diff", str(tmp_path), "ab", "abcd"]) == 2
+    assert "a: 'ab' matches 2 points" in caplog.text
+    assert results.main(["diff", str(tmp_path), "abc", "abcd"]) == 0

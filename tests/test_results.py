@@ -424,3 +424,67 @@ def test_readme_column_table_is_current():
 
     assert match, f"{README_PATH} needs the column table between <!-- columns:start --> and <!-- columns:end -->"
     assert match.group(1).strip() == columns_markdown().strip()
+
+
+def test_load_keeps_one_copy_of_a_measurement_stored_twice_and_both_runs_of_a_point(tmp_path):
+    write_point(_row(point_id="a", started_at="2026-12-01T00:00:00+00:00"), tmp_path / "s1")
+    write_point(_row(point_id="a", started_at="2026-12-01T00:00:00+00:00"), tmp_path / "copy-of-s1")
+    write_point(_row(point_id="a", started_at="2026-12-01T01:00:00+00:00"), tmp_path / "rerun")
+
+    assert sorted(load(tmp_path)["started_at"]) == ["2026-12-01T00:00:00+00:00", "2026-12-01T01:00:00+00:00"]
+
+
+def test_index_has_a_line_per_row_with_its_file(tmp_path):
+    write_point(_row(point_id="a", status="ok"), tmp_path / "s1")
+    write_point(_row(point_id="b", status="oom", error="CUDA out of memory"), tmp_path / "s1")
+    export(tmp_path / "s1", tmp_path / "s2" / "compacted-20261201-000000-000000.parquet")  # a file of many rows
+    write_point(_row(point_id="c", sweep_id="s2"), tmp_path / "s2")
+
+    lines = results.index(tmp_path).sort_values(["point_id", "path"], ignore_index=True)
+
+    assert list(lines.columns) == [*results.INDEX_COLUMNS, "path"]
+    assert lines["point_id"].tolist() == ["a", "b", "c"]  # a and b are in two files: one measurement each
+    assert lines["status"].tolist() == ["ok", "oom", "ok"]
+    assert lines["error"].tolist()[1] == "CUDA out of memory"
+    assert lines["path"].tolist()[2] == str(tmp_path / "s2" / "c.parquet")
+
+
+def test_index_reads_only_its_columns(tmp_path, monkeypatch):
+    write_point(_row(point_id="a"), tmp_path)
+    asked = []
+    read = pq.ParquetFile.read
+
+    def spy(self, columns=None, **kwargs):
+        asked.append(columns)
+        return read(self, columns, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read", spy)
+    monkeypatch.setattr(pq, "read_table", lambda *args, **kwargs: pytest.fail("index read a whole table"))
+
+    results.index(tmp_path)
+
+    assert asked == [list(results.INDEX_COLUMNS)]  # not itl_ms, not the hundred other columns
+
+
+def test_index_gives_nulls_for_columns_a_file_lacks_and_skips_unreadable_files(tmp_path):
+    pq.write_table(pa.table({"point_id": ["old"], "status": ["ok"]}), tmp_path / "old.parquet")
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "foreign.parquet")
+    skipped: list[str] = []
+
+    lines = results.index(tmp_path, skipped=skipped)
+
+    assert lines["point_id"].tolist() == ["old"]
+    assert lines[["sweep_id", "error", "device_name", "started_at"]].isna().all(axis=None)
+    assert sorted(Path(entry.split(":")[0]).name for entry in skipped) == ["broken.parquet", "foreign.parquet"]
+
+
+@pytest.mark.parametrize("make_dir", [True, False], ids=["empty", "missing"])
+def test_index_without_rows_is_an_empty_frame_with_its_columns(tmp_path, make_dir):
+    directory = tmp_path / "results"
+    if make_dir:
+        directory.mkdir()
+
+    lines = results.index(directory)
+
+    assert lines.empty and list(lines.columns) == [*results.INDEX_COLUMNS, "path"]
