@@ -25,12 +25,14 @@ from tests.test_sweep import ROOT, TINY, kvbench
 
 pytestmark = pytest.mark.slow
 
+QUICK = [*TINY, "profile=false"]  # these tests are about rows surviving, not about what is in them: no profiler pass
+
 FAST_POINT = dict(model={"name": "tiny"}, device="cpu", dtype="fp32", prompt_len=8, gen_len=4, warmup=0,
                   min_repeats=1, max_repeats=1, profile=False, roofline=False, accuracy=False)  # fmt: skip
 
 
-def sweep_command(results_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "experiments.decode", "-m", *TINY, "dtype=fp32", *overrides,
+def sweep_command(results_dir: Path, *overrides: str, base: list[str] = QUICK) -> list[str]:
+    return [sys.executable, "-m", "experiments.decode", "-m", *base, "dtype=fp32", *overrides,
             f"results_dir={results_dir}"]  # fmt: skip
 
 
@@ -44,7 +46,7 @@ def point_files(directory: Path) -> list[Path]:
 def test_a_sweep_killed_mid_point_keeps_every_finished_row_and_resume_completes_exactly_the_rest(tmp_path):
     batches = [1, 2, 3, 4, 5, 6]
     command = sweep_command(tmp_path, f"batch_size={','.join(map(str, batches))}", "prompt_len=64", "min_repeats=3",
-                            "max_repeats=3")  # fmt: skip
+                            "max_repeats=3", base=TINY)  # fmt: skip: with the profiler pass, each point takes seconds
     sweep = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
@@ -141,7 +143,7 @@ def test_two_sweeps_writing_into_one_results_dir_at_once_lose_no_row(tmp_path):
 
 
 def test_a_full_disk_stops_the_sweep_with_one_line_and_damages_nothing_written(tmp_path):
-    assert kvbench(*TINY, "batch_size=1,2", f"results_dir={tmp_path}", multirun=True).returncode == 0
+    assert kvbench(*QUICK, "batch_size=1,2", f"results_dir={tmp_path}", multirun=True).returncode == 0
     before = results.load(tmp_path)
     files = {path: path.read_bytes() for path in point_files(tmp_path)}
 
@@ -197,13 +199,13 @@ def test_corrupt_files_are_skipped_by_load_export_and_the_dashboard_with_every_o
 
 
 def test_a_rerun_skips_recorded_points_and_force_measures_them_again(tmp_path):
-    first = kvbench(*TINY, "batch_size=1,2", f"results_dir={tmp_path}", multirun=True)
+    first = kvbench(*QUICK, "batch_size=1,2", f"results_dir={tmp_path}", multirun=True)
     assert first.returncode == 0, first.stderr
-    again = kvbench(*TINY, "batch_size=1,2,3", f"results_dir={tmp_path}", multirun=True)
+    again = kvbench(*QUICK, "batch_size=1,2,3", f"results_dir={tmp_path}", multirun=True)
     assert again.returncode == 0, again.stderr
     assert "resumed: 2 of them already recorded" in again.stdout and "3 points" in again.stdout
     assert sorted(results.load(tmp_path)["batch_size"]) == [1, 2, 3]
-    forced = kvbench(*TINY, "batch_size=1,2", "force=true", f"results_dir={tmp_path}", multirun=True)
+    forced = kvbench(*QUICK, "batch_size=1,2", "force=true", f"results_dir={tmp_path}", multirun=True)
     assert forced.returncode == 0, forced.stderr
     assert "resumed" not in forced.stdout
     assert sorted(results.load(tmp_path)["batch_size"]) == [1, 1, 2, 2, 3]
@@ -219,12 +221,12 @@ def test_error_points_are_retried_and_committed_references_never_count(tmp_path)
     (checkpoint / "model.safetensors").write_bytes(b"not a safetensors file")
     out = tmp_path / "results"
     for _ in range(2):
-        assert kvbench(*TINY, "prompt_len=8", f"weights={checkpoint}", f"results_dir={out}").returncode == 0
+        assert kvbench(*QUICK, "prompt_len=8", f"weights={checkpoint}", f"results_dir={out}").returncode == 0
     assert list(results.load(out)["status"]) == ["error", "error"]  # measured twice: an error is retried
     # An ok row under <results_dir>/reference is a committed reference, not this user's run: measured anyway.
-    ok = kvbench(*TINY, "prompt_len=8", f"results_dir={out / 'reference'}")
+    ok = kvbench(*QUICK, "prompt_len=8", f"results_dir={out / 'reference'}")
     assert ok.returncode == 0, ok.stderr
-    rerun = kvbench(*TINY, "prompt_len=8", f"results_dir={out}")
+    rerun = kvbench(*QUICK, "prompt_len=8", f"results_dir={out}")
     assert "already recorded" not in rerun.stdout
     assert (results.load(out)["status"] == "ok").sum() == 2
 
@@ -232,7 +234,7 @@ def test_error_points_are_retried_and_committed_references_never_count(tmp_path)
 def test_the_oom_backstop_skips_points_that_need_more_than_an_oom_and_names_it(tmp_path):
     # A 1 GiB cap: batch 2048 at 1k tokens needs ~1.1 GB of KV and runs out; 4096 needs more (skipped, never run);
     # batch 1 needs less (measured).
-    overrides = [*TINY, "prompt_len=1024", "cache=contiguous", "max_memory_gb=1.0", f"results_dir={tmp_path}"]
+    overrides = [*QUICK, "prompt_len=1024", "cache=contiguous", "max_memory_gb=1.0", f"results_dir={tmp_path}"]
     proc = kvbench(*overrides, "batch_size=2048,4096,1", multirun=True)
     assert proc.returncode == 0, proc.stderr
     table = results.load(tmp_path).set_index("batch_size")
@@ -251,7 +253,7 @@ def test_the_oom_backstop_skips_points_that_need_more_than_an_oom_and_names_it(t
 
 
 def test_a_sweep_folder_outside_results_dir_is_refused_before_anything_runs(tmp_path):
-    proc = kvbench(*TINY, f"results_dir={tmp_path / 'results'}", f"hydra.run.dir={tmp_path / 'elsewhere'}")
+    proc = kvbench(*QUICK, f"results_dir={tmp_path / 'results'}", f"hydra.run.dir={tmp_path / 'elsewhere'}")
     assert proc.returncode == 2
     assert "is not a folder inside results_dir" in proc.stderr
     assert not list(tmp_path.rglob("*.parquet"))
