@@ -21,7 +21,7 @@ import pytest
 
 from harness import results, runner
 from harness.config import RunConfig
-from tests.test_sweep import ROOT, TINY, kvbench
+from tests.test_sweep import ROOT, TINY, broken_checkpoint, kvbench
 
 pytestmark = pytest.mark.slow
 
@@ -45,8 +45,14 @@ def point_files(directory: Path) -> list[Path]:
 
 def test_a_sweep_killed_mid_point_keeps_every_finished_row_and_resume_completes_exactly_the_rest(tmp_path):
     batches = [1, 2, 3, 4, 5, 6]
-    command = sweep_command(tmp_path, f"batch_size={','.join(map(str, batches))}", "prompt_len=64", "min_repeats=3",
-                            "max_repeats=3", base=TINY)  # fmt: skip: with the profiler pass, each point takes seconds
+    command = sweep_command(
+        tmp_path,
+        f"batch_size={','.join(map(str, batches))}",
+        "prompt_len=64",
+        "min_repeats=3",
+        "max_repeats=3",
+        base=TINY,
+    )  # fmt: skip: with the profiler pass, each point takes seconds
     sweep = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
@@ -212,13 +218,7 @@ def test_a_rerun_skips_recorded_points_and_force_measures_them_again(tmp_path):
 
 
 def test_error_points_are_retried_and_committed_references_never_count(tmp_path):
-    checkpoint = tmp_path / "broken"
-    checkpoint.mkdir()
-    (checkpoint / "config.json").write_text(
-        '{"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1, '
-        '"num_attention_heads": 4, "intermediate_size": 64, "max_position_embeddings": 128}'
-    )
-    (checkpoint / "model.safetensors").write_bytes(b"not a safetensors file")
+    checkpoint = broken_checkpoint(tmp_path / "broken")
     out = tmp_path / "results"
     for _ in range(2):
         assert kvbench(*QUICK, "prompt_len=8", f"weights={checkpoint}", f"results_dir={out}").returncode == 0

@@ -133,15 +133,20 @@ def test_a_bad_point_in_a_sweep_stops_it_before_anything_is_measured(tmp_path):
     assert not list(tmp_path.rglob("*.parquet"))
 
 
-def test_a_point_that_crashes_is_an_error_row_with_its_message(tmp_path):
-    # Passes the cheap up-front checks (a llama config.json, a .safetensors file) but cannot be loaded.
-    checkpoint = tmp_path / "broken-llama"
+def broken_checkpoint(checkpoint: Path) -> Path:
+    """A checkpoint that passes the cheap up-front checks (a llama config.json, a .safetensors file) but cannot be
+    loaded: its point runs and fails inside the measuring process."""
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text(
         '{"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1, '
         '"num_attention_heads": 4, "intermediate_size": 64, "max_position_embeddings": 128}'
     )
     (checkpoint / "model.safetensors").write_bytes(b"not a safetensors file")
+    return checkpoint
+
+
+def test_a_point_that_crashes_is_an_error_row_with_its_message(tmp_path):
+    checkpoint = broken_checkpoint(tmp_path / "broken-llama")
     out = tmp_path / "results"
     proc = kvbench(*TINY, "prompt_len=8", f"weights={checkpoint}", f"results_dir={out}")
     assert proc.returncode == 0, proc.stderr
