@@ -96,12 +96,13 @@ def oom_cause(cfg: RunConfig, row: dict, sweep_dir: str | Path) -> pd.Series | N
     if ooms.empty:
         return None
     try:
-        need = capacity.total_bytes(workload(cfg), runtime_overhead_bytes=0)
+        mine = workload(cfg)
+        need = capacity.total_bytes(mine, runtime_overhead_bytes=0)
         for _, oom in ooms.iterrows():
             shape = dict(
                 concurrency=int(oom["batch_size"]), prompt_len=int(oom["prompt_len"]), gen_len=int(oom["gen_len"])
             )
-            if need >= capacity.total_bytes(dataclasses.replace(workload(cfg), **shape), runtime_overhead_bytes=0):
+            if need >= capacity.total_bytes(dataclasses.replace(mine, **shape), runtime_overhead_bytes=0):
                 return oom
     except ConfigError:  # a point the planner cannot describe is measured, never guessed at
         return None
