@@ -20,7 +20,7 @@ import torch
 
 from harness import accuracy, ceilings, fragmentation, kv, profile, roofline
 from harness.config import DTYPES, RunConfig
-from harness.decode import check_compilable, compile_decode_step, generate
+from harness.decode import check_compilable, compile_decode_step, cudagraph_skips, generate
 from harness.kv.base import CacheSpec, Unsupported
 from harness.model import build_model, weights_bytes
 from harness.probes import MemoryProbe
@@ -62,14 +62,16 @@ def run_point(cfg: RunConfig) -> dict:
             seed=cfg.seed,
             n_positions=cfg.prompt_len + cfg.gen_len,
         )
-        prompt = make_prompts(cfg, vocab_size=args.vocab_size).to(device)
+        prompt_ids = make_prompts(cfg, vocab_size=args.vocab_size)  # on the host, where a prefix cache hashes them
+        prompt = prompt_ids.to(device)
         step = compile_decode_step(model, cache, mode=cfg.compile) if cfg.compile != "none" else None
+        skips_before = cudagraph_skips()  # a process-wide counter: this point's skips are its increase
         timer = StepTimer(device, n_marks=cfg.gen_len)
         outputs: list[torch.Tensor] = []
         kv_figures: dict[str, int] = {}
 
         def run_once():
-            generated, sample = generate(model, cache, prompt, cfg.gen_len, timer, step=step)
+            generated, sample = generate(model, cache, prompt, cfg.gen_len, timer, step=step, prompt_ids=prompt_ids)
             # Read at the peak, just before the sequences complete and give their storage back.
             kv_figures.update(
                 kv_bytes_allocated=cache.kv_bytes_allocated(),
@@ -128,6 +130,14 @@ def run_point(cfg: RunConfig) -> dict:
     row["attn_backend"] = getattr(cache, "attn_backend", "sdpa")  # a strategy with its own kernel says which
     row["output_digest"] = digest(outputs[-1])
     row["status"] = "ok"
+    if cfg.compile == "reduce-overhead":
+        row["cudagraph_skips"] = skips = cudagraph_skips() - skips_before
+        if skips:  # the figures are those of a compiled step without graphs: not what the row's compile column says
+            row["status"] = "error"
+            row["error"] = (
+                f"compile=reduce-overhead: inductor skipped CUDA graphs {skips} time(s), so the step ran without "
+                "them; TORCH_LOGS=perf_hints logs the reason"
+            )
     return row
 
 

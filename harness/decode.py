@@ -28,12 +28,17 @@ COMPILE_MODES = ("default", "reduce-overhead")  # torch.compile's modes a decode
 DecodeStep = Callable[[torch.Tensor, int], torch.Tensor]
 
 
-def prefill_logits(model: torch.nn.Module, cache: KVCache, prompt: torch.Tensor) -> torch.Tensor:
-    """prompt [B, P] -> the logits [B, V] of the token after it."""
-    # Optional hook `prefill_prefix(model, prompt) -> int` (harness.kv.prefix): the cache fills the prefix every
-    # sequence shares (or finds it cached) and says how many leading tokens it holds; only the rest runs here.
+def prefill_logits(
+    model: torch.nn.Module, cache: KVCache, prompt: torch.Tensor, *, prompt_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """prompt [B, P] on the model's device -> the logits [B, V] of the token after it.
+
+    prompt_ids: the same ids on the host, where a server keeps them; a prefix cache hashes them there, so that looking
+    a prefix up never copies the prompt back from the device (a sync). Without it the cache copies them itself."""
+    # Optional hook `prefill_prefix(model, prompt, prompt_ids) -> int` (harness.kv.prefix): the cache fills the prefix
+    # every sequence shares (or finds it cached) and says how many leading tokens it holds; only the rest runs here.
     prefill_prefix = getattr(cache, "prefill_prefix", None)
-    cached = prefill_prefix(model, prompt) if prefill_prefix is not None else 0
+    cached = prefill_prefix(model, prompt, prompt_ids=prompt_ids) if prefill_prefix is not None else 0
     return model(prompt[:, cached:], start_pos=cached, cache=cache, last_only=True)[:, -1]  # [B, V]
 
 
@@ -44,9 +49,11 @@ def decode_logits(model: torch.nn.Module, cache: KVCache, tokens: torch.Tensor, 
     return model(tokens[:, pos : pos + 1], start_pos=pos, cache=cache, last_only=True)[:, -1]
 
 
-def prefill(model: torch.nn.Module, cache: KVCache, prompt: torch.Tensor) -> torch.Tensor:
-    """prompt [B, P] -> the first generated token [B]."""
-    logits = prefill_logits(model, cache, prompt)
+def prefill(
+    model: torch.nn.Module, cache: KVCache, prompt: torch.Tensor, *, prompt_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """prompt [B, P] -> the first generated token [B] (prompt_ids: as in prefill_logits)."""
+    logits = prefill_logits(model, cache, prompt, prompt_ids=prompt_ids)
     with record_function("kvbench::sampling"):  # harness.profile: what runs inside is sampling time
         return logits.argmax(dim=-1)
 
@@ -77,21 +84,35 @@ def check_compilable(cache: KVCache, *, mode: str, device: torch.device) -> None
         raise Unsupported(f"compile: reduce-overhead captures CUDA graphs, and this point runs on {device.type}")
     if not hasattr(cache, "enable_static_decode"):
         raise Unsupported(
-            f"compile: cache {cache.name} has no static-shape decode step (its K/V grow by block, ring or stream); "
-            "allowed: contiguous"
+            f"compile: cache {cache.name} has no static-shape decode step (its K/V move by ring, stream or "
+            "recomputation); allowed: contiguous, paged, prefix"
         )
     if cache.spec.kv_dtype == "int4":
         raise Unsupported("compile: int4 (KIVI) quantizes key groups as they complete, a data-dependent write")
 
 
-def compile_decode_step(model: torch.nn.Module, cache: KVCache, *, mode: str) -> DecodeStep:
+def cudagraph_skips() -> int:
+    """How many times inductor has skipped CUDA graphs in this process (for a mutated non-static input, a CPU
+    tensor, a dynamic shape, ...): cudagraph trees count each skip here and log its reason under TORCH_LOGS=perf_hints."""
+    return int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"])
+
+
+def compile_decode_step(model: torch.nn.Module, cache: KVCache, *, mode: str, backend=None) -> DecodeStep:
     """decode_one_token under torch.compile(mode), as a DecodeStep: the cache's bookkeeping (prepare) stays eager
     and on the host; the token and the position reach the graph through two device buffers, updated by device
-    copies, so no step waits on the host."""
+    copies, so no step waits on the host.
+
+    Every tensor the step mutates must be a static input, its own tensor and marked static (the cache's
+    `static_tensors`, the token and position buffers): CUDA graph trees skip the graph for a mutated input that is
+    not, and say so only in `torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]` (harness.bench records it).
+
+    backend: a torch.compile backend other than inductor, for tests that trace the step where inductor cannot
+    generate code (fake CUDA tensors, tests/test_cuda_trace.py); `mode` then still decides the step's protocol."""
     device = model.tok_embeddings.weight.device
     check_compilable(cache, mode=mode, device=device)
     cache.enable_static_decode()  # Unsupported for a format without a static-shape write (int4)
-    compiled = torch.compile(decode_one_token, mode=mode, fullgraph=True, dynamic=False)
+    options = {"backend": backend} if backend is not None else {"mode": mode}
+    compiled = torch.compile(decode_one_token, fullgraph=True, dynamic=False, **options)
     batch = cache.spec.batch_size
     token = torch.zeros((batch, 1), dtype=torch.long, device=device)  # [B, 1]
     pos = torch.zeros(1, dtype=torch.long, device=device)  # [1]
@@ -117,17 +138,20 @@ def generate(
     gen_len: int,
     timer: StepTimer,
     step: DecodeStep | None = None,
+    *,
+    prompt_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Sample]:
     """Greedy decoding of gen_len tokens after prompt [B, P]. Returns (generated ids [B, gen_len], timing).
 
-    step: how each decode step runs (compile_decode_step's); by default decode_step, eager."""
+    step: how each decode step runs (compile_decode_step's); by default decode_step, eager.
+    prompt_ids: the prompt's ids on the host, where a prefix cache looks them up (prefill_logits)."""
     step = step or functools.partial(decode_step, model, cache)
     batch, prompt_len = prompt.shape
     # One buffer for the whole sequence: no per-step concatenation on the hot path.
     tokens = torch.empty((batch, prompt_len + gen_len), dtype=torch.long, device=prompt.device)
     tokens[:, :prompt_len] = prompt
     timer.start()
-    tokens[:, prompt_len] = prefill(model, cache, prompt)
+    tokens[:, prompt_len] = prefill(model, cache, prompt, prompt_ids=prompt_ids)
     timer.mark()
     for pos in range(prompt_len, prompt_len + gen_len - 1):
         tokens[:, pos + 1] = step(tokens, pos)

@@ -101,6 +101,13 @@ COLUMNS: tuple[Column, ...] = (
     Column(
         "attn_backend", "string", "", "Attention implementation of the decode step: sdpa, triton-paged, flashinfer, ..."
     ),
+    Column(
+        "cudagraph_skips",
+        "int64",
+        "",
+        "compile=reduce-overhead: times inductor skipped CUDA graphs for the step (0: captured; more makes the row an "
+        "error); null otherwise",
+    ),
     Column("seed", "int64", "", "Random seed of the weights and prompt tokens"),
     Column(
         "max_memory_gb",

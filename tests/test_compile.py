@@ -1,8 +1,10 @@
 """`compile`: the decode step under torch.compile at static shapes, and the combinations it refuses.
 
-The static-shape attention (the whole buffer under a length mask, the position a tensor) is checked eagerly against
-the sliced one; the compiled step itself needs a C++ compiler on the CPU (inductor's code generator), so that test is
-skipped, with the reason, where none is found. CUDA graphs (reduce-overhead) run in tests/test_gpu.py.
+The static-shape attention (the whole buffer or block table under a length mask, the position a tensor) is checked
+eagerly against the sliced one; the compiled step itself needs a C++ compiler on the CPU (inductor's code generator),
+so that test is skipped, with the reason, where none is found. What CUDA graph trees decide (every mutated input must
+be static) is decided by AOTAutograd before any device code exists, so it is checked here through tests/graphs.py;
+the graphs themselves (reduce-overhead) run in tests/test_gpu.py.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from harness.decode import compile_decode_step, generate
 from harness.kv.base import CacheSpec
 from harness.runner import _guarded
 from harness.timing import StepTimer
+from tests.graphs import recording_backend
 
 CPU = torch.device("cpu")
 FAST = dict(warmup=1, min_repeats=1, max_repeats=1, isolate=False, roofline=False, profile=False, accuracy=False)
@@ -29,9 +32,10 @@ has_cxx = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8", "fp8_e4m3"])
-def test_static_shape_attention_over_the_masked_buffer_equals_the_sliced_one(tiny_args, kv_dtype):
+@pytest.mark.parametrize(("cache_name", "options"), [("contiguous", {}), ("paged", {"block_size": 4})])
+def test_static_shape_attention_over_the_masked_buffer_equals_the_sliced_one(tiny_args, kv_dtype, cache_name, options):
     spec = CacheSpec.for_model(tiny_args, batch_size=2, max_tokens=24, kv_dtype=kv_dtype, device=CPU)
-    sliced, static = kv.build("contiguous", spec, {}), kv.build("contiguous", spec, {})
+    sliced, static = kv.build(cache_name, spec, options), kv.build(cache_name, spec, options)
     static.enable_static_decode()
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, dim = tiny_args.n_heads, tiny_args.n_kv_heads, tiny_args.head_dim
@@ -47,19 +51,45 @@ def test_static_shape_attention_over_the_masked_buffer_equals_the_sliced_one(tin
         expected = sliced.attend(0, q, k, v, pos)
         static.prepare(pos, 1)
         actual = static.attend(0, q, k, v, torch.tensor([pos]))
+        # Same stored values, one SDPA over more (masked) keys than the other: fp32 summation order differs.
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
-    assert static.attn_backend == "sdpa-masked" and sliced.attn_backend == "sdpa"
+    masked = {"contiguous": ("sdpa-masked", "sdpa"), "paged": ("sdpa-gather-masked", "sdpa-gather")}[cache_name]
+    assert (static.attn_backend, sliced.attn_backend) == masked
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize(("cache_name", "prefix_len"), [("contiguous", 0), ("paged", 0), ("prefix", 8)])
+def test_every_input_a_compiled_decode_step_mutates_is_a_static_input(
+    tiny_model, tiny_args, kv_dtype, cache_name, prefix_len
+):
+    """CUDA graph trees skip a graph that mutates a non-static input; K and V as two views of one buffer made
+    AOTAutograd merge them into one synthetic base, which was not static (and mode=reduce-overhead ran eagerly)."""
+    backend, graphs = recording_backend()
+    spec = CacheSpec.for_model(
+        tiny_args, batch_size=2, max_tokens=16 + 4, kv_dtype=kv_dtype, device=CPU, prefix_len=prefix_len
+    )
+    cache = kv.build(cache_name, spec, {"block_size": 4} if cache_name != "contiguous" else {})
+    prompt = torch.randint(tiny_args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    prompt[1, :prefix_len] = prompt[0, :prefix_len]
+    torch._dynamo.reset()
+    step = compile_decode_step(tiny_model, cache, mode="default", backend=backend)
+    generate(tiny_model, cache, prompt, 4, StepTimer(CPU, n_marks=4), step=step, prompt_ids=prompt)
+    assert len(graphs) == 1, "one graph for every decode step"
+    assert graphs[0].mutated, "the step writes the new token's K and V into the cache"
+    assert graphs[0].mutated_not_static == []
 
 
 @pytest.mark.slow
 @has_cxx
-def test_compile_default_generates_the_same_tokens_as_eager(tiny_model, tiny_args):
+@pytest.mark.parametrize("cache_name", ["contiguous", "paged"])
+def test_compile_default_generates_the_same_tokens_as_eager(tiny_model, tiny_args, cache_name):
     spec = CacheSpec.for_model(tiny_args, batch_size=2, max_tokens=16 + 4, kv_dtype="fp32", device=CPU)
     prompt = torch.randint(tiny_args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    eager, _ = generate(tiny_model, kv.build("contiguous", spec, {}), prompt, 4, StepTimer(CPU, n_marks=4))
-    cache = kv.build("contiguous", spec, {})
+    eager, _ = generate(tiny_model, kv.build(cache_name, spec, {}), prompt, 4, StepTimer(CPU, n_marks=4))
+    cache = kv.build(cache_name, spec, {})
     step = compile_decode_step(tiny_model, cache, mode="default")
-    torch._dynamo.reset()  # count this step's compilations alone
+    torch._dynamo.reset()  # count this step's compilations alone (reset keeps the counters: clear them too)
+    torch._dynamo.utils.counters.clear()
     compiled, _ = generate(tiny_model, cache, prompt, 4, StepTimer(CPU, n_marks=4), step=step)
     cache.release()
     again, _ = generate(tiny_model, cache, prompt, 4, StepTimer(CPU, n_marks=4), step=step)
@@ -82,10 +112,17 @@ def test_a_compiled_point_records_its_mode_and_backend_and_the_eager_tokens():
 @pytest.mark.parametrize(
     ("overrides", "reason"),
     [
-        ({"cache": {"name": "paged"}}, "no static-shape decode step"),
         ({"cache": {"name": "sliding", "window": 8}}, "no static-shape decode step"),
         ({"cache": {"name": "none"}}, "no static-shape decode step"),
-        ({"cache": {"name": "prefix"}}, "no static-shape decode step"),
+        (
+            {
+                "cache": {"name": "paged", "block_size": 4},
+                "kv_dtype": "int4",
+                "kv_group_size": 32,
+                "model": {"name": "small"},
+            },
+            "int4",
+        ),
         ({"kv_dtype": "int4", "kv_group_size": 32, "model": {"name": "small"}}, "int4"),
         ({"compile": "reduce-overhead"}, "CUDA graphs"),
         ({"warmup": 0}, "fewer than the 3"),
@@ -96,3 +133,29 @@ def test_a_combination_compile_cannot_run_is_an_unsupported_row(overrides, reaso
     point = dict(model={"name": "tiny"}, device="cpu", prompt_len=8, gen_len=4, compile="default") | FAST | overrides
     row = _guarded(RunConfig(**point))
     assert row["status"] == "unsupported" and reason in row["error"], row.get("error")
+
+
+def test_a_reduce_overhead_point_whose_graphs_were_skipped_is_an_error_row_that_says_so(monkeypatch):
+    """The counter inductor bumps for every skipped graph decides: the figures of a step run without graphs must not
+    pass for CUDA-graph figures. (reduce-overhead needs CUDA, so the compile step is stood in for here.)"""
+    from harness import bench
+    from harness.decode import decode_step
+
+    def skipping_step(model, cache, *, mode):
+        calls = []
+
+        def step(tokens, pos):
+            if not calls:  # the first call compiles: cudagraph trees decide then, and count a skip
+                torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] += 1
+            calls.append(pos)
+            return decode_step(model, cache, tokens, pos)
+
+        return step
+
+    monkeypatch.setattr(bench, "check_compilable", lambda cache, *, mode, device: None)
+    monkeypatch.setattr(bench, "compile_decode_step", skipping_step)
+    point = dict(model={"name": "tiny"}, device="cpu", dtype="fp32", prompt_len=8, gen_len=4, compile="reduce-overhead")
+    row = run_point(RunConfig(**point, **FAST))
+    assert row["cudagraph_skips"] == 1
+    assert row["status"] == "error" and "skipped CUDA graphs 1 time" in row["error"]
+    assert run_point(RunConfig(**{**point, "compile": "none"}, **FAST)).get("cudagraph_skips") is None

@@ -81,7 +81,7 @@ def test_live_bytes_follow_the_tokens_present_for_both_caches(tiny_model, tiny_a
 def test_storage_dtype_is_independent_of_compute_dtype(tiny_model, tiny_args):
     fp32, fp32_cache, _ = greedy(tiny_model, tiny_args, "contiguous", batch_size=2, prompt_len=8, gen_len=5)
     bf16, bf16_cache, _ = greedy(tiny_model, tiny_args, "paged", batch_size=2, prompt_len=8, gen_len=5, kv_dtype="bf16")
-    assert bf16_cache.pool.dtype == torch.bfloat16
+    assert bf16_cache.k_pool.dtype == bf16_cache.v_pool.dtype == torch.bfloat16
     assert bf16_cache.kv_bytes_live() * 2 == fp32_cache.kv_bytes_live()
     assert bf16.shape == fp32.shape
 
@@ -102,7 +102,7 @@ def test_paged_takes_blocks_on_demand_and_returns_them_on_completion(tiny_model,
 
 def test_paged_pool_sized_by_pool_tokens(tiny_args):
     cache = kv.build("paged", spec_for(tiny_args, batch_size=1, max_tokens=8), {"block_size": 4, "pool_tokens": 100})
-    assert cache.pool.shape[2] == 25  # ceil(100 / 4) blocks
+    assert cache.n_blocks == cache.k_pool.shape[1] == 25  # ceil(100 / 4) blocks
     assert cache.kv_bytes_allocated() == 25 * 4 * spec_for(tiny_args, batch_size=1, max_tokens=8).bytes_per_token
 
 

@@ -182,10 +182,10 @@ def test_int4_storage_is_a_quarter_of_bf16_plus_scales_plus_the_full_precision_t
 @pytest.mark.parametrize("strategy", ["contiguous", "paged"])
 def test_scale_bytes_are_the_scale_tensors_and_data_is_really_narrow(strategy):
     cache = kv.build(strategy, wide_spec("int4", kv_group_size=32), {})
-    data = cache.buffers if strategy == "contiguous" else cache.pool
-    assert data.dtype == torch.uint8 and data.shape[-1] == 64  # two 4-bit values per byte
+    data = (cache.k, cache.v) if strategy == "contiguous" else (cache.k_pool, cache.v_pool)
+    assert all(part.dtype == torch.uint8 and part.shape[-1] == 64 for part in data)  # two 4-bit values per byte
     assert cache.kv_scale_bytes() == sum(nbytes(t) for t in cache.scales.values()) > 0
-    assert cache.kv_bytes_allocated() == nbytes(data) + cache.kv_scale_bytes()  # no tail before the first write
+    assert cache.kv_bytes_allocated() == sum(map(nbytes, data)) + cache.kv_scale_bytes()  # no tail before a write
 
 
 def test_paged_int4_keeps_a_key_scale_row_per_block_when_blocks_are_smaller_than_a_group():
@@ -223,7 +223,7 @@ def test_plain_contiguous_reads_a_view_of_its_buffer_without_a_copy():
     cache = kv.build("contiguous", wide_spec("fp32"), {})
     write_one_token(cache, dtype=torch.float32)
     k, v = cache._gather(0, 1, torch.float32)
-    assert k.data_ptr() == cache.buffers[0, 0].data_ptr() and v.data_ptr() == cache.buffers[0, 1].data_ptr()
+    assert k.data_ptr() == cache.k[0].data_ptr() and v.data_ptr() == cache.v[0].data_ptr()
 
 
 # --- int4's full-precision tail ----------------------------------------------------------------------------------

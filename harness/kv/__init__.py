@@ -14,7 +14,7 @@ from typing import Any
 
 from harness.kv.base import CacheSpec, KVCache
 
-_NOT_STRATEGIES = {"base", "quant", "triton_paged"}  # shared code, not strategies
+_NOT_STRATEGIES = {"base", "host", "quant", "triton_paged"}  # shared code, not strategies
 
 
 def strategy_names() -> list[str]:

@@ -43,16 +43,19 @@ class ContiguousCache:
         parts = self.format.parts()
         data = parts.pop("data")
         lead = (spec.n_layers, spec.batch_size, spec.n_kv_heads)
-        shape = (spec.n_layers, 2, spec.batch_size, spec.n_kv_heads, spec.max_tokens, data.width)
-        # [L, K|V, B, H_kv, S_max, D] (int4: D / 2 bytes, two values each)
-        self.buffers = torch.zeros(shape, dtype=data.dtype, device=spec.device)
+        shape = (*lead, spec.max_tokens, data.width)
+        # K and V each [L, B, H_kv, S_max, D] (int4: D / 2 bytes, two values each). Two tensors, not two views of
+        # one: a compiled step that mutates two views of one base makes AOTAutograd merge them into a synthetic base
+        # that is no longer a static input, and CUDA graph trees then skip the graph (harness.decode).
+        self.k = torch.zeros(shape, dtype=data.dtype, device=spec.device)
+        self.v = torch.zeros(shape, dtype=data.dtype, device=spec.device)
         self.scales = {  # name -> [L, B, H_kv, S_max / tokens per row, width]; empty for plain formats
             name: torch.zeros(
                 (*lead, blocks_for(spec.max_tokens, part.tokens), part.width), dtype=part.dtype, device=spec.device
             )
             for name, part in parts.items()
         }
-        self.rows = {"k": self.buffers[:, 0], "v": self.buffers[:, 1], **self.scales}  # views, by part name
+        self.rows = {"k": self.k, "v": self.v, **self.scales}  # by part name
         self.n_tokens = 0
         self.fused_dequant = self._kernel_reads(spec)  # int8/fp8 on CUDA: decode reads the codes in place
         self.attn_backend = "triton-dequant" if self.fused_dequant else "sdpa"
@@ -72,14 +75,15 @@ class ContiguousCache:
         return triton_paged.kernel_unsupported(spec.kv_dtype, spec.device) is None
 
     def enable_static_decode(self) -> None:
-        """Prepare decode steps at static shapes (harness.decode.compile_decode_step): mark the buffers as living at
-        fixed addresses, so that CUDA graphs update them in place instead of copying them in, and fix what the
-        graph needs once: the positions of the length mask, or the kernel's split count for the longest context."""
+        """Prepare decode steps at static shapes (harness.decode.compile_decode_step): mark every tensor the step
+        reads or writes as living at a fixed address (`static_tensors`), so that CUDA graphs update them in place
+        instead of copying them in, and fix what the graph needs once: the positions of the length mask, or the
+        kernel's split count for the longest context."""
         if self.spec.kv_dtype == "int4":
             raise Unsupported("compile: int4 (KIVI) quantizes key groups as they complete, a data-dependent write")
         spec = self.spec
         self._positions = torch.arange(spec.max_tokens, device=spec.device)  # [S_max]
-        for tensor in (self.buffers, *self.scales.values(), self._positions, self._one_block_table):
+        for tensor in self.static_tensors():
             torch._dynamo.mark_static_address(tensor)
         if self.fused_dequant:
             from harness.kv import triton_paged
@@ -89,6 +93,12 @@ class ContiguousCache:
             )
         else:
             self.attn_backend = "sdpa-masked"
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """What a static-shape decode step reads from this cache: K, V, their scales, the mask's positions (masked
+        path) or the kernel's one-block table (fused path). Each is a tensor of its own, none a view of another."""
+        extra = [self._one_block_table] if self.fused_dequant else [self._positions]
+        return [self.k, self.v, *self.scales.values(), *extra]
 
     def prepare(self, start_pos: int, n_new: int) -> None:
         if start_pos + n_new > self.spec.max_tokens:
@@ -182,7 +192,7 @@ class ContiguousCache:
 
     def kv_bytes_allocated(self) -> int:
         # Data, scales, and the int4 full-precision tail (format.tensors()).
-        tensors = [self.buffers, *self.scales.values(), *self.format.tensors()]
+        tensors = [self.k, self.v, *self.scales.values(), *self.format.tensors()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def kv_bytes_live(self) -> int:

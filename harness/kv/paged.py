@@ -6,10 +6,16 @@ most one partly filled block instead of everything reserved up to its maximum le
 not the total: the tokens present cost exactly what they cost in a contiguous buffer.
 
 Attention follows the block table. A decode step on CUDA reads the blocks in place: FlashInfer's paged decode for
-fp16/bf16 storage when `flashinfer` is installed, else the Triton kernel of harness.kv.triton_paged (plain, int8 and
-fp8 storage, dequantized in registers). Prefill, int4, and the CPU gather the sequence's blocks into a contiguous
-tensor first and run SDPA over it. `attn_backend` says which decode path ran: "flashinfer", "triton-paged" or
-"sdpa-gather".
+fp16/bf16 storage read by queries of the same dtype when `flashinfer` is installed, else the Triton kernel of
+harness.kv.triton_paged (plain, int8 and fp8 storage, dequantized in registers). Prefill, int4, and the CPU gather the
+sequence's blocks into a contiguous tensor first and run SDPA over it. `attn_backend` says which decode path ran:
+"flashinfer", "triton-paged", "sdpa-gather", or "sdpa-gather-masked" (static shapes, below).
+
+Static shapes (`compile`, harness.decode.compile_decode_step): the block bookkeeping stays eager and on the host
+(`prepare` grows the tables and copies new rows to the device table); the compiled step receives its position as a
+device tensor, writes through the device table, and attends over every block the table can hold: the Triton kernel
+with the lengths taken from the device, or on the CPU a gather of the whole table under a length mask, as
+`contiguous` does. FlashInfer plans on the host every step, so a compiled step never takes it.
 
 Quantized formats (harness.kv.quant) keep their narrow data in the pool and their scales in pools of their own,
 block for block, so a block returned to the pool frees its scales too. int4 key scales cover a group of
@@ -24,13 +30,41 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
+from harness.kv import host
 from harness.kv.base import CacheSpec, KVPoolExhausted, Unsupported, attention, blocks_for
-from harness.kv.quant import storage_format
+from harness.kv.quant import FP8, storage_format
 
 log = logging.getLogger(__name__)
 FLASHINFER_DTYPES = ("fp16", "bf16")  # what its paged decode reads here; fp8 would need its own scale layout
 FLASHINFER_WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's documented default for its split-K scratch
+
+
+def flashinfer_installed() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def decode_backend(spec: CacheSpec, *, static: bool = False) -> str:
+    """Which decode attention a paged cache runs: in place on CUDA when a kernel can read its format, else a gather.
+
+    FlashInfer's decode reads fp16/bf16 pages with queries of the same dtype only (its plan takes q_data_type and
+    kv_data_type, and its kernels are instantiated for equal ones), so it needs the compute dtype to be the storage
+    dtype; a static-shape (compiled) step never takes it, since it plans on the host every step. The kernel modules
+    are imported only on CUDA: the CPU never pays for importing triton."""
+    gather = "sdpa-gather-masked" if static else "sdpa-gather"
+    if spec.device.type != "cuda":
+        return gather
+    same_dtype = spec.dtype is not None and spec.kv_dtype == spec.dtype
+    if not static and spec.kv_dtype in FLASHINFER_DTYPES and same_dtype and flashinfer_installed():
+        return "flashinfer"
+    from harness.kv import triton_paged
+
+    reason = triton_paged.kernel_unsupported(spec.kv_dtype, spec.device)
+    if reason is None:
+        return "triton-paged"
+    log.warning("paged %s on %s decodes by gathering the blocks: %s", spec.kv_dtype, spec.device, reason)
+    return gather
 
 
 @dataclass(frozen=True)
@@ -59,9 +93,12 @@ class PagedCache:
         self.format = storage_format(spec)
         parts = self.format.parts()
         data = parts.pop("data")
-        shape = (spec.n_layers, 2, n_blocks, spec.n_kv_heads, self.block_size, data.width)
-        # [L, K|V, N, H_kv, bs, D] (int4: D / 2 bytes, two values each)
-        self.pool = torch.zeros(shape, dtype=data.dtype, device=spec.device)
+        self.n_blocks = n_blocks
+        shape = (spec.n_layers, n_blocks, spec.n_kv_heads, self.block_size, data.width)
+        # K and V each [L, N, H_kv, bs, D] (int4: D / 2 bytes, two values each): two tensors, not two views of one,
+        # so that a compiled step mutates two static inputs (see harness.kv.contiguous).
+        self.k_pool = torch.zeros(shape, dtype=data.dtype, device=spec.device)
+        self.v_pool = torch.zeros(shape, dtype=data.dtype, device=spec.device)
         self.tokens_per_row = {"k": 1, "v": 1} | {name: part.tokens for name, part in parts.items()}
         self.scales = {  # name -> [L, N, H_kv, rows per block, width]; empty for plain formats
             name: torch.zeros(
@@ -71,32 +108,43 @@ class PagedCache:
             )
             for name, part in parts.items()
         }
-        self.rows = {"k": self.pool[:, 0], "v": self.pool[:, 1], **self.scales}  # views, by part name
+        self.rows = {"k": self.k_pool, "v": self.v_pool, **self.scales}  # by part name
         self.free_blocks = list(range(n_blocks - 1, -1, -1))  # a stack: pop() hands out block 0 first
         self.tables: list[list[int]] = [[] for _ in range(spec.batch_size)]  # per sequence: block ids in order
         # The same tables on the device, for gathers: [B, blocks_per_seq]; refreshed only when a block is added.
         self.table = torch.zeros((spec.batch_size, blocks_per_seq), dtype=torch.long, device=spec.device)
         self.n_tokens = 0  # tokens present per sequence (all sequences of a batch move in step)
-        self.attn_backend = self._decode_backend()
+        self.attn_backend = decode_backend(spec)
         self._lens: tuple[tuple[int, int], torch.Tensor] | None = None  # (batch, tokens) -> [B] int32 on the device
         self._flashinfer = None  # its decode wrapper, made at the first decode step
         self._flashinfer_plan: tuple[int, int] | None = None  # (batch, tokens) the wrapper is planned for
+        # Set by enable_static_decode: [max_blocks * bs] positions for the length mask; the kernel's split count.
+        self._positions: torch.Tensor | None = None
+        self._static_splits: int | None = None
 
-    def _decode_backend(self) -> str:
-        """Which decode attention this cache runs: in place on CUDA when a kernel can read its format, else a gather.
-        The kernel modules are imported only on CUDA: the CPU never pays for importing triton."""
+    def enable_static_decode(self) -> None:
+        """Prepare decode steps at static shapes (harness.decode.compile_decode_step): mark what the step reads as
+        static inputs (`static_tensors`), fix the positions of the length mask or the kernel's split count for the
+        longest context, and leave FlashInfer (host-side planning) for the Triton kernel or the masked gather."""
         spec = self.spec
-        if spec.device.type != "cuda":
-            return "sdpa-gather"
-        if spec.kv_dtype in FLASHINFER_DTYPES and importlib.util.find_spec("flashinfer") is not None:
-            return "flashinfer"
-        from harness.kv import triton_paged
+        if spec.kv_dtype == "int4":
+            raise Unsupported("compile: int4 (KIVI) quantizes key groups as they complete, a data-dependent write")
+        self.attn_backend = decode_backend(spec, static=True)
+        self._positions = torch.arange(self.table.shape[1] * self.block_size, device=spec.device)  # [max_blocks*bs]
+        if self.attn_backend == "triton-paged":
+            from harness.kv import triton_paged
 
-        reason = triton_paged.kernel_unsupported(spec.kv_dtype, spec.device)
-        if reason is None:
-            return "triton-paged"
-        log.warning("paged %s on %s decodes by gathering the blocks: %s", spec.kv_dtype, spec.device, reason)
-        return "sdpa-gather"
+            self._static_splits = triton_paged.split_count(
+                batch=spec.batch_size, n_kv_heads=spec.n_kv_heads, max_len=spec.max_tokens, device=spec.device
+            )
+        for tensor in self.static_tensors():
+            torch._dynamo.mark_static_address(tensor)
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """What a static-shape decode step reads from this cache: both pools, their scales, the device block table,
+        and the mask's positions. Each is a tensor of its own, none a view of another."""
+        positions = [self._positions] if self._positions is not None else []
+        return [self.k_pool, self.v_pool, *self.scales.values(), self.table, *positions]
 
     def _rows_per_block(self, tokens_per_row: int) -> int:
         """A part with a row per `tokens_per_row` positions (int4 key scales: per group) keeps its rows in the
@@ -120,7 +168,7 @@ class PagedCache:
         while len(blocks) < need:
             if not self.free_blocks:
                 raise KVPoolExhausted(
-                    f"paged KV pool exhausted: {self.pool.shape[2]} blocks of {self.block_size} tokens "
+                    f"paged KV pool exhausted: {self.n_blocks} blocks of {self.block_size} tokens "
                     f"cannot hold {self.spec.batch_size} sequences of {n_tokens} tokens"
                 )
             blocks.append(self.free_blocks.pop())
@@ -131,25 +179,59 @@ class PagedCache:
         grown = [self.ensure_blocks(seq, end) for seq in range(self.spec.batch_size)]  # every sequence, no short cut
         if any(grown):  # one small host-to-device copy every block_size steps, not every step
             need = blocks_for(end, self.block_size)
-            rows = torch.tensor([b[:need] for b in self.tables], dtype=torch.long)
-            if self.table.is_cuda:  # pinned + non_blocking: the copy queues on the stream, the host never waits
-                rows = rows.pin_memory()
-            self.table[:, :need].copy_(rows, non_blocking=True)
+            self._sync_table(need)
         self.n_tokens = end
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
+    def _sync_table(self, need: int) -> None:
+        """The host tables' first `need` blocks -> the device table (every sequence holds at least that many)."""
+        rows = torch.tensor([blocks[:need] for blocks in self.tables], dtype=torch.long)  # [B, need]
+        if self.table.is_cuda:  # pinned + non_blocking: the copy queues on the stream, the host never waits
+            rows = host.pinned(rows)
+        self.table[:, :need].copy_(rows, non_blocking=True)
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int | torch.Tensor
+    ) -> torch.Tensor:
+        if isinstance(start_pos, torch.Tensor):  # a decode step at static shapes: the position [1] on the device
+            return self._attend_static(layer, q, k, v, start_pos)
         self._write(layer, k, v, start_pos)
-        if q.shape[2] == 1 and self.attn_backend != "sdpa-gather":  # a decode step: read the blocks in place
-            return self._decode_in_place(layer, q, n_tokens=start_pos + 1).unsqueeze(2)
+        in_place = self.attn_backend in ("flashinfer", "triton-paged")
+        if q.shape[2] == 1 and in_place:  # a decode step: read the blocks in place
+            n_tokens = start_pos + 1
+            return self._decode_in_place(layer, q, self._lengths(q.shape[0], n_tokens), max_len=n_tokens).unsqueeze(2)
         k_seq, v_seq = self._gather(layer, start_pos + k.shape[2], q.dtype)
         return attention(q, k_seq, v_seq, start_pos)
 
-    def _decode_in_place(self, layer: int, q: torch.Tensor, n_tokens: int) -> torch.Tensor:
-        """q [B, H, 1, D] over the first n_tokens positions of every sequence, through the block table -> [B, H, D]."""
+    def _attend_static(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
+    ) -> torch.Tensor:
+        """One token at position pos [1] (a device tensor): the same shapes at every step, whatever the position."""
+        assert q.shape[2] == 1 and self._positions is not None, "static shapes: one token, after enable_static_decode"
+        self._write(layer, k, v, pos)
+        batch, n_heads, _, head_dim = q.shape
+        if self.attn_backend == "triton-paged":  # the kernel reads only the filled positions: their count on the device
+            lens = (pos + 1).to(torch.int32).expand(batch).contiguous()  # [B]
+            out = self._decode_in_place(layer, q, lens, max_len=self.spec.max_tokens, n_splits=self._static_splits)
+            return out.unsqueeze(2)
+        # Every block the table can hold, in table order, under a length mask: [B, H_kv, max_blocks * bs, D].
+        k_all, v_all = self._gather(layer, self._positions.shape[0], q.dtype)
+        visible = (self._positions <= pos).view(1, 1, 1, -1)  # the filled part, this token included
+        n_kv_heads = k_all.shape[1]
+        # GQA as in harness.kv.base.attention: a group's query heads fold into the query axis, [B, H_kv, G, D].
+        out = F.scaled_dot_product_attention(
+            q.view(batch, n_kv_heads, n_heads // n_kv_heads, head_dim), k_all, v_all, attn_mask=visible
+        )
+        return out.view(batch, n_heads, 1, head_dim)
+
+    def _decode_in_place(
+        self, layer: int, q: torch.Tensor, lens: torch.Tensor, *, max_len: int, n_splits: int | None = None
+    ) -> torch.Tensor:
+        """q [B, H, 1, D] over the first lens[b] positions of each sequence, through the block table -> [B, H, D].
+        max_len: a host-side bound on lens (the kernel's splits are sized by it)."""
         batch = q.shape[0]
         k_pool, v_pool = self.rows["k"][layer], self.rows["v"][layer]  # [N, H_kv, bs, D] each
         if self.attn_backend == "flashinfer":
-            self._plan_flashinfer(q, n_tokens)
+            self._plan_flashinfer(q, max_len)
             return self._flashinfer.run(q[:, :, 0].contiguous(), (k_pool, v_pool))
         from harness.kv import triton_paged
 
@@ -164,9 +246,10 @@ class PagedCache:
             k_pool,
             v_pool,
             self.table[:batch],
-            self._lengths(batch, n_tokens),
+            lens,
             block_size=self.block_size,
-            max_len=n_tokens,
+            max_len=max_len,
+            n_splits=n_splits,
             **scales,
         )
 
@@ -178,10 +261,16 @@ class PagedCache:
 
     def _plan_flashinfer(self, q: torch.Tensor, n_tokens: int) -> None:
         """FlashInfer plans a decode once per step (its split-K schedule) for the whole batch's page lists (HND
-        layout: a page is [H_kv, page_size, D], which is this pool's block)."""
+        layout: a page is [H_kv, page_size, D], which is this pool's block). The page lists go in as host tensors,
+        built from the host tables, as vLLM's FlashInfer backend passes them: plan() reads indptr on the host to
+        schedule, and copies the rest to its own device buffers without blocking, while device tensors would be
+        copied back to the host first, a sync per step."""
         import flashinfer
 
         batch, n_heads, _, head_dim = q.shape
+        assert q.dtype == self.k_pool.dtype, (
+            f"flashinfer decodes {self.k_pool.dtype} pages with equal queries, not {q.dtype}"
+        )
         if self._flashinfer is None:
             workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
             self._flashinfer = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -189,20 +278,17 @@ class PagedCache:
             )
         if self._flashinfer_plan == (batch, n_tokens):
             return
-        n_pages = blocks_for(n_tokens, self.block_size)
-        indptr = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * n_pages  # [B + 1]
-        indices = self.table[:batch, :n_pages].reshape(-1).to(torch.int32)  # [B * n_pages]
-        last_page_len = torch.full((batch,), n_tokens - (n_pages - 1) * self.block_size, dtype=torch.int32)
+        indptr, indices, last_page_len = flashinfer_page_lists(self.tables[:batch], n_tokens, self.block_size)
         self._flashinfer.plan(
-            indptr,
-            indices,
-            last_page_len.to(q.device),
+            host.pinned(indptr),
+            host.pinned(indices),
+            host.pinned(last_page_len),
             n_heads,
             self.spec.n_kv_heads,
             head_dim,
             self.block_size,
             q_data_type=q.dtype,
-            kv_data_type=self.pool.dtype,
+            kv_data_type=self.k_pool.dtype,
         )
         self._flashinfer_plan = (batch, n_tokens)
 
@@ -216,12 +302,16 @@ class PagedCache:
 
     # harness.kv.quant.RowStore. Row r of a part with g tokens per row covers positions r*g..: it lives in block
     # table[b, r*g // bs], slot r % rows_per_block (g = 1, the data: block p // bs, slot p % bs).
-    def put_rows(self, layer: int, name: str, x: torch.Tensor, first: int) -> None:
+    # `first` is a device tensor [1] in a static-shape step: the same index arithmetic, nothing read on the host.
+    def put_rows(self, layer: int, name: str, x: torch.Tensor, first: int | torch.Tensor) -> None:
         part = self.rows[name][layer]  # [N, H_kv, rows per block, width]
-        rows = torch.arange(first, first + x.shape[2], device=x.device)
+        rows = first + torch.arange(x.shape[2], device=x.device)  # [n]
         blocks = self.table[:, rows * self.tokens_per_row[name] // self.block_size]  # [B, n]
         slots = (rows % part.shape[2]).expand_as(blocks)  # [B, n]
-        part[blocks, :, slots] = x.transpose(1, 2).to(part.dtype)  # indexed view is [B, n, H_kv, width]
+        values = x.transpose(1, 2).to(part.dtype)  # [B, n, H_kv, width], as the indexed view
+        if values.dtype in FP8.values():  # CUDA's index_put_ may lack an fp8 kernel: write the same bytes as uint8
+            part, values = part.view(torch.uint8), values.view(torch.uint8)
+        part[blocks, :, slots] = values
 
     def get_rows(self, layer: int, name: str, n: int) -> torch.Tensor:
         part = self.rows[name][layer]  # [N, H_kv, rows per block, width]
@@ -247,7 +337,7 @@ class PagedCache:
     def kv_bytes_allocated(self) -> int:
         # Data and scales for every block, and the int4 full-precision tail (format.tensors(): per sequence,
         # outside the pool, at most kv_residual + kv_group_size - 1 tokens).
-        tensors = [self.pool, *self.scales.values(), *self.format.tensors()]
+        tensors = [self.k_pool, self.v_pool, *self.scales.values(), *self.format.tensors()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def kv_bytes_live(self) -> int:
@@ -258,6 +348,18 @@ class PagedCache:
 
     def kv_tail_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.format.tensors())
+
+
+def flashinfer_page_lists(
+    tables: list[list[int]], n_tokens: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's CSR page lists for sequences of n_tokens each, on the host: indptr [B + 1], indices
+    [B * n_pages] (each sequence's first n_pages blocks, in table order), last_page_len [B], all int32."""
+    n_pages = blocks_for(n_tokens, block_size)
+    indptr = torch.arange(len(tables) + 1, dtype=torch.int32) * n_pages
+    indices = torch.tensor([block for blocks in tables for block in blocks[:n_pages]], dtype=torch.int32)
+    last_page_len = torch.full((len(tables),), n_tokens - (n_pages - 1) * block_size, dtype=torch.int32)
+    return indptr, indices, last_page_len
 
 
 STRATEGY = PagedCache

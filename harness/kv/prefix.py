@@ -16,10 +16,11 @@ most block_size - 1 tokens per sequence. int4 (KIVI) also shares whole key group
 all its tokens), and needs kv_residual=0: its full-precision tail is private to each sequence and overwritten by
 the batch's decode, so a later batch could not find the prefix's newest tokens there (Unsupported otherwise).
 
-The decode hook (harness.decode.prefill): `prefill_prefix(model, prompt) -> int` computes the shared prefix once on
-a miss (one batch-1 forward pass into fresh blocks), points every sequence's table at it, and returns the number of
-leading tokens every sequence now holds; prefill then runs the rest with start_pos at that number. With
-spec.prefix_len == 0 (or shorter than a block) it returns 0 and the cache behaves exactly like `paged`.
+The decode hook (harness.decode.prefill): `prefill_prefix(model, prompt, prompt_ids) -> int` computes the shared
+prefix once on a miss (one batch-1 forward pass into fresh blocks), points every sequence's table at it, and returns
+the number of leading tokens every sequence now holds; prefill then runs the rest with start_pos at that number. The
+prefix is looked up by the prompt's ids on the host (prompt_ids), as a server holds them. With spec.prefix_len == 0
+(or shorter than a block) it returns 0 and the cache behaves exactly like `paged`.
 """
 
 from __future__ import annotations
@@ -77,10 +78,14 @@ class PrefixCache(PagedCache):
         self.prefix_hit = False  # whether the last prefill found its prefix cached
         self.n_shared_tokens = 0  # leading tokens of the live batch stored in shared blocks
 
-    def prefill_prefix(self, model: torch.nn.Module, prompt: torch.Tensor) -> int:
+    def prefill_prefix(
+        self, model: torch.nn.Module, prompt: torch.Tensor, *, prompt_ids: torch.Tensor | None = None
+    ) -> int:
         """prompt [B, P]: make the shared prefix present for every sequence; return its length in tokens (0: none).
 
         A miss runs model(prompt[:1, :n], start_pos=0) once, as a single sequence, into blocks the cache keeps.
+        prompt_ids: the same ids on the host, where they are hashed; without them the prefix is copied back from
+        the device (a small copy, and a host sync on a GPU).
         """
         self._drop_sequences()  # a new batch (release() has normally done this already)
         # Whole blocks only, and at least one token left to prefill: its logits give the first output token.
@@ -88,7 +93,7 @@ class PrefixCache(PagedCache):
         self.prefix_hit, self.n_shared_tokens = False, 0
         if n_tokens <= 0:
             return 0
-        ids = prompt[:, :n_tokens].cpu()  # [B, n]: a small copy to the host, where the block hashes are computed
+        ids = (prompt if prompt_ids is None else prompt_ids)[:, :n_tokens].cpu()  # [B, n] on the host, to hash
         if not bool((ids == ids[:1]).all()):
             raise ValueError(
                 f"prefix_len: the batch's prompts differ within their first {n_tokens} tokens; every sequence "
@@ -104,7 +109,7 @@ class PrefixCache(PagedCache):
             blocks.extend(self.prefix_blocks)
         for block in self.prefix_blocks:
             self.refs[block] += len(self.tables)
-        self._sync_table()
+        self._sync_table(len(self.tables[0]))
         self.n_tokens = self.n_shared_tokens = n_tokens
         return n_tokens
 
@@ -132,16 +137,8 @@ class PrefixCache(PagedCache):
     def prepare(self, start_pos: int, n_new: int) -> None:
         grown = [self.ensure_blocks(seq, start_pos + n_new) for seq in range(len(self.tables))]
         if any(grown):
-            self._sync_table()
+            self._sync_table(len(self.tables[0]))  # all sequences hold the same number of blocks
         self.n_tokens = start_pos + n_new
-
-    def _sync_table(self) -> None:
-        """The host tables -> the device table (all sequences hold the same number of blocks)."""
-        need = len(self.tables[0])
-        rows = torch.tensor([blocks[:need] for blocks in self.tables], dtype=torch.long)
-        if self.table.is_cuda:  # pinned + non_blocking: the copy queues on the stream, the host never waits
-            rows = rows.pin_memory()
-        self.table[:, :need].copy_(rows, non_blocking=True)
 
     def _unref(self, block: int) -> None:
         """Drop one reference; a block nobody references returns to the pool. Unshared blocks have one."""
