@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
-from harness.kv.base import CacheSpec, attention
+from harness.kv.base import CacheSpec, attention, grouped_attention
 from harness.kv.quant import token_codec
 
 
@@ -64,15 +63,6 @@ class _Step:
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, *, window: int, sinks: int) -> torch.Tensor:
     """The sliding rule with sinks: [T, 1] query positions x [1, S] key positions -> [T, S] bool."""
     return (k_pos <= q_pos) & ((k_pos < sinks) | (q_pos - k_pos < window - sinks))
-
-
-def _attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One query per sequence over every key given: q [B, H, 1, D], k, v [B, H_kv, S, D] in q's dtype."""
-    batch, n_heads, _, head_dim = q.shape
-    n_kv_heads = k.shape[1]
-    # As base.attention: fold each GQA group into the query axis so each K/V head is read once, never repeated.
-    out = F.scaled_dot_product_attention(q.reshape(batch, n_kv_heads, n_heads // n_kv_heads, head_dim), k, v)
-    return out.view(batch, n_heads, 1, head_dim)
 
 
 class SlidingCache:
@@ -160,14 +150,15 @@ class SlidingCache:
             return attention(q, k_held, v_held, start_pos)
         if step.kind == "all":
             self._write(layer, k, v)
-            return _attend_all(q, *self._read(layer, q.dtype))
+            return grouped_attention(q, *self._read(layer, q.dtype))  # one query, every held key: no mask
         # Banded: read before writing, since the new tokens may overwrite slots the earlier queries still see. The
         # new K/V go through the storage format too, so they are the values a token-by-token decode would read back.
         k_old, v_old = self._read(layer, q.dtype)
         k_new, v_new = (self.codec.decode(self.codec.encode(x), q.dtype) for x in (k, v))
         keys = torch.cat([k_old, k_new], dim=2)  # [B, H_kv, S_old + T, D]
         values = torch.cat([v_old, v_new], dim=2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, enable_gqa=q.shape[1] != k.shape[1])
+        # GQA folded into the query axis, never a mask with enable_gqa (the math backend on CUDA: grouped_attention)
+        out = grouped_attention(q, keys, values, mask=step.mask)
         self._write(layer, k, v)
         return out
 
