@@ -104,7 +104,11 @@ class SlidingCache:
 
     def _banded_step(self, start_pos: int, end: int) -> _Step:
         """T > 1 queries past the window: attend over the old held keys plus all new ones under the rule's mask,
-        then store only the new tokens that survive (sinks, and the last `ring` positions)."""
+        then store only the new tokens that survive (sinks, and the last `ring` positions).
+
+        Every position list here is a range of host integers, so every tensor has a shape known before it is
+        computed: no boolean indexing (a nonzero: a host sync on a GPU, and a data-dependent shape that fake tensors
+        and torch.compile refuse)."""
         device = self.spec.device
         ring_start = max(self.sinks, start_pos - self.ring)
         old_pos = torch.cat(
@@ -114,12 +118,19 @@ class SlidingCache:
             ]
         )  # every position the ring holds before this forward (at most `window`)
         new_pos = torch.arange(start_pos, end, device=device)
-        keep = (new_pos < self.sinks) | (new_pos >= end - self.ring)
+        # The new tokens that survive: those below `sinks`, and the last `ring` of the sequence. Disjoint and in
+        # order, since a banded step has end > window, so end - ring > sinks.
+        kept_pos = torch.cat(
+            [
+                torch.arange(start_pos, max(start_pos, min(self.sinks, end)), device=device),
+                torch.arange(max(start_pos, end - self.ring), end, device=device),
+            ]
+        )
         key_pos = torch.cat([old_pos, new_pos])
         mask = _visible(new_pos[:, None], key_pos[None, :], window=self.window, sinks=self.sinks)  # [T, S_old + T]
         return _Step(
-            write_src=(new_pos[keep] - start_pos),
-            write_slots=self._slot(new_pos[keep]),
+            write_src=kept_pos - start_pos,
+            write_slots=self._slot(kept_pos),
             read_slots=self._slot(old_pos),
             kind="banded",
             mask=mask,
