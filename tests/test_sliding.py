@@ -189,3 +189,36 @@ def test_defaults_work_out_of_the_box():
 def test_bad_options_give_one_line_errors_naming_the_field(options, message):
     with pytest.raises(ValueError, match=message):
         kv.parse_options("sliding", options)
+
+
+@pytest.mark.parametrize(("window", "sinks"), [(8, 0), (8, 3)])
+@pytest.mark.parametrize(("start_pos", "end"), [(0, 11), (0, 30), (5, 20), (9, 12), (2, 9)])
+def test_a_banded_step_stores_exactly_the_positions_the_rule_keeps(tiny_args, window, sinks, start_pos, end):
+    cache = kv.build("sliding", spec_for(tiny_args, max_tokens=64), {"window": window, "sinks": sinks})
+    step = cache._banded_step(start_pos, end)
+    ring = window - sinks
+    kept = [p for p in range(start_pos, end) if p < sinks or p >= end - ring]  # the rule, position by position
+    assert step.write_src.tolist() == [p - start_pos for p in kept]
+    assert step.write_slots.tolist() == [p if p < sinks else sinks + (p - sinks) % ring for p in kept]
+
+
+def test_a_prefill_past_the_window_traces_with_fake_tensors(tiny_args):
+    # Fake tensors carry shapes, not values: an op whose output shape depends on values (boolean indexing, i.e.
+    # nonzero) raises DynamicOutputShapeException, as torch.compile's tracing would, and on a GPU it would be a
+    # host sync. Every shape of a prefill past the window, a banded chunk after it and a decode step must follow
+    # from host integers alone.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    window, sinks, chunks = 8, 3, [11, 6, 1]
+    n_heads, head_dim = tiny_args.n_heads, tiny_args.head_dim
+    with FakeTensorMode():
+        cache = kv.build("sliding", spec_for(tiny_args, max_tokens=sum(chunks)), {"window": window, "sinks": sinks})
+        start_pos = 0
+        for n_new in chunks:
+            cache.prepare(start_pos, n_new)
+            q = torch.randn(2, n_heads, n_new, head_dim)
+            k, v = (torch.randn(2, tiny_args.n_kv_heads, n_new, head_dim) for _ in range(2))
+            for layer in range(tiny_args.n_layers):
+                assert cache.attend(layer, q, k, v, start_pos).shape == (2, n_heads, n_new, head_dim)
+            start_pos += n_new
+    assert cache.kv_bytes_live() == window * 2 * cache.spec.bytes_per_token

@@ -109,6 +109,35 @@ class KVPoolExhausted(MemoryError):
     """A sequence needed a block and the pool had none: out of KV memory, reported like any OOM."""
 
 
+def grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """q [B, H, T, D] over k, v [B, H_kv, S, D] in q's dtype, each group of G = H / H_kv query heads sharing one
+    K/V head; mask [T, S] bool (True = attend), or None when every query sees every key. Returns [B, H, T, D].
+
+    GQA is folded into the query axis: [B, H, T, D] -> [B, H_kv, G*T, D] (query head h = h_kv * G + g, the grouping
+    of SDPA's enable_gqa) and the mask repeated to [G*T, S], so SDPA sees equal head counts and needs no enable_gqa.
+    Why not a mask with enable_gqa: on CUDA the flash kernel takes no arbitrary mask, and up to torch 2.13 the
+    memory-efficient kernel refuses enable_gqa (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp,
+    can_use_mem_efficient_attention: check_batch_size_and_num_heads_dense<false /*supports_gqa*/>; 2.13's
+    F.scaled_dot_product_attention docstring: GQA "works only for Flash_attention and math kernel"; 2.14 added it),
+    so on the torch >= 2.6 this project allows such a call could run the math backend, which repeats K/V per group
+    and materializes [B, H, T, S] scores. The folded call suits the memory-efficient kernel on all of them (a mask,
+    equal heads; its own head-dim alignment aside), its mask costs [G*T, S] broadcast over B and H_kv, and each K/V
+    head is read once for its whole group: repeated K/V would multiply by G the very bytes this benchmark measures.
+    Why not torch.nn.attention.bias.causal_lower_right: it reaches a fused kernel only through flash (fp16/bf16),
+    falls back to a materialized mask plus enable_gqa (the math backend again) for fp32 up to torch 2.13, and it
+    cannot express the sliding window's band, which shares this function (harness.kv.sliding).
+    """
+    batch, n_heads, n_new, head_dim = q.shape
+    n_kv_heads = k.shape[1]
+    group = n_heads // n_kv_heads
+    folded_q = q.reshape(batch, n_kv_heads, group * n_new, head_dim)  # copies q when it is a transposed view
+    folded_mask = mask if mask is None or group == 1 else mask.repeat(group, 1)  # row g*T + t is query t
+    out = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=folded_mask)
+    return out.view(batch, n_heads, n_new, head_dim)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
     """Causal attention of T new queries at positions start_pos.. over S = start_pos + T keys.
 
@@ -118,21 +147,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int)
     n_new, n_keys = q.shape[2], k.shape[2]
     assert n_keys == start_pos + n_new, f"cache holds {n_keys} keys, expected {start_pos + n_new}"
     k, v = k.to(q.dtype), v.to(q.dtype)
-    batch, n_heads, _, head_dim = q.shape
-    group = n_heads // k.shape[1]
     if n_new == 1:
-        # One decode token sees every key: no mask. Fold each GQA group's query heads into the query-length axis,
-        # [B, H, 1, D] -> [B, H_kv, G, D], so every K/V head is read once for its whole group; never materialize
-        # repeated K/V (that would multiply the very bytes this benchmark measures by G).
-        out = F.scaled_dot_product_attention(q.reshape(batch, n_heads // group, group, head_dim), k, v)
-        return out.view(batch, n_heads, 1, head_dim)
-    gqa = group > 1
+        # One decode token sees every key: no mask, and GQA folded so every K/V head is read once for its group.
+        return grouped_attention(q, k, v)
     if start_pos == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    # Queries start mid-sequence (chunked prefill, a cached prefix): query i sees keys 0..start_pos+i.
+        # Square causal: no mask tensor, so flash (which takes GQA natively) runs on CUDA in fp16/bf16. (fp32 with
+        # GQA still takes the math backend on CUDA up to torch 2.13: flash takes no fp32, see grouped_attention.)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    # Queries start mid-sequence (chunked prefill, the suffix after a cached prefix): query i sees keys
+    # 0..start_pos+i, a lower-right causal mask [T, S], which is_causal (upper-left) cannot express.
     q_pos = torch.arange(start_pos, n_keys, device=q.device)[:, None]
     k_pos = torch.arange(n_keys, device=q.device)[None, :]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=k_pos <= q_pos, enable_gqa=gqa)
+    return grouped_attention(q, k, v, mask=k_pos <= q_pos)
 
 
 def blocks_for(n_tokens: int, block_size: int) -> int:

@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
-from harness.kv.base import CacheSpec, attention
+from harness.kv.base import CacheSpec, attention, grouped_attention
 from harness.kv.quant import token_codec
 
 
@@ -64,15 +63,6 @@ class _Step:
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, *, window: int, sinks: int) -> torch.Tensor:
     """The sliding rule with sinks: [T, 1] query positions x [1, S] key positions -> [T, S] bool."""
     return (k_pos <= q_pos) & ((k_pos < sinks) | (q_pos - k_pos < window - sinks))
-
-
-def _attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One query per sequence over every key given: q [B, H, 1, D], k, v [B, H_kv, S, D] in q's dtype."""
-    batch, n_heads, _, head_dim = q.shape
-    n_kv_heads = k.shape[1]
-    # As base.attention: fold each GQA group into the query axis so each K/V head is read once, never repeated.
-    out = F.scaled_dot_product_attention(q.reshape(batch, n_kv_heads, n_heads // n_kv_heads, head_dim), k, v)
-    return out.view(batch, n_heads, 1, head_dim)
 
 
 class SlidingCache:
@@ -114,7 +104,11 @@ class SlidingCache:
 
     def _banded_step(self, start_pos: int, end: int) -> _Step:
         """T > 1 queries past the window: attend over the old held keys plus all new ones under the rule's mask,
-        then store only the new tokens that survive (sinks, and the last `ring` positions)."""
+        then store only the new tokens that survive (sinks, and the last `ring` positions).
+
+        Every position list here is a range of host integers, so every tensor has a shape known before it is
+        computed: no boolean indexing (a nonzero: a host sync on a GPU, and a data-dependent shape that fake tensors
+        and torch.compile refuse)."""
         device = self.spec.device
         ring_start = max(self.sinks, start_pos - self.ring)
         old_pos = torch.cat(
@@ -124,12 +118,19 @@ class SlidingCache:
             ]
         )  # every position the ring holds before this forward (at most `window`)
         new_pos = torch.arange(start_pos, end, device=device)
-        keep = (new_pos < self.sinks) | (new_pos >= end - self.ring)
+        # The new tokens that survive: those below `sinks`, and the last `ring` of the sequence. Disjoint and in
+        # order, since a banded step has end > window, so end - ring > sinks.
+        kept_pos = torch.cat(
+            [
+                torch.arange(start_pos, max(start_pos, min(self.sinks, end)), device=device),
+                torch.arange(max(start_pos, end - self.ring), end, device=device),
+            ]
+        )
         key_pos = torch.cat([old_pos, new_pos])
         mask = _visible(new_pos[:, None], key_pos[None, :], window=self.window, sinks=self.sinks)  # [T, S_old + T]
         return _Step(
-            write_src=(new_pos[keep] - start_pos),
-            write_slots=self._slot(new_pos[keep]),
+            write_src=kept_pos - start_pos,
+            write_slots=self._slot(kept_pos),
             read_slots=self._slot(old_pos),
             kind="banded",
             mask=mask,
@@ -160,14 +161,15 @@ class SlidingCache:
             return attention(q, k_held, v_held, start_pos)
         if step.kind == "all":
             self._write(layer, k, v)
-            return _attend_all(q, *self._read(layer, q.dtype))
+            return grouped_attention(q, *self._read(layer, q.dtype))  # one query, every held key: no mask
         # Banded: read before writing, since the new tokens may overwrite slots the earlier queries still see. The
         # new K/V go through the storage format too, so they are the values a token-by-token decode would read back.
         k_old, v_old = self._read(layer, q.dtype)
         k_new, v_new = (self.codec.decode(self.codec.encode(x), q.dtype) for x in (k, v))
         keys = torch.cat([k_old, k_new], dim=2)  # [B, H_kv, S_old + T, D]
         values = torch.cat([v_old, v_new], dim=2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, enable_gqa=q.shape[1] != k.shape[1])
+        # GQA folded into the query axis, never a mask with enable_gqa (the math backend on CUDA: grouped_attention)
+        out = grouped_attention(q, keys, values, mask=step.mask)
         self._write(layer, k, v)
         return out
 
