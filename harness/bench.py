@@ -94,9 +94,9 @@ def run_point(cfg: RunConfig) -> dict:
             max_time_s=cfg.max_time_s,
             target_rse=cfg.target_rse,
         )
-        probe.begin_timed()
-        samples = measure(run_once, policy)
-        probe.end_timed(n_tokens=len(outputs) * cfg.batch_size * cfg.gen_len)  # warm-up generations included
+        # The energy and clock window opens after the warm-up (compilation included) and counts measured tokens only.
+        samples = measure(run_once, policy, on_measure_start=probe.begin_timed)
+        probe.end_timed(n_tokens=len(samples) * cfg.batch_size * cfg.gen_len)
         hit = getattr(cache, "prefix_hit", None)  # prefix caching: the measured prefills found the prefix cached
         if hit is not None:
             row["prefix_hit"] = hit

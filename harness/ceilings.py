@@ -25,6 +25,7 @@ import platform
 import re
 import statistics
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 
 # Bump when the method changes (sizes, counting, dtypes): it is part of the fingerprint, so stored ceilings measured
 # the old way are not reused.
-METHOD_VERSION = 1
+METHOD_VERSION = 2  # 2: warm-up by time (Plan.warmup_s), not by a fixed count of calls
 MATMUL_DTYPES = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
@@ -60,7 +61,8 @@ class Plan:
     """How hard to measure. FULL for figures to quote; QUICK for tests (small sizes, few repeats)."""
 
     copy_cache_multiple: int  # the copy buffer is this many times the last-level cache, so it streams from memory
-    warmup: int  # untimed calls before the repeats (allocator, first touch, cuBLAS heuristics, clocks)
+    warmup: int  # at least this many untimed calls before the repeats (allocator, first touch, cuBLAS heuristics)
+    warmup_s: float  # ... and untimed calls until this many seconds have passed (clocks ramping up from idle)
     repeats: int  # timed calls; the figure is their median
     cuda_matmul_n: int  # m = n = k on CUDA: 8192^3 keeps every SM busy on an H100/H200
     cpu_matmul_n_max: int  # CPU: n doubles from CPU_MATMUL_N_MIN up to this ...
@@ -68,9 +70,13 @@ class Plan:
     cpu_dtype_budget_s: float  # CPU: fewer repeats (never under 3) when one product is slow (fp16 without AVX512-FP16)
 
 
+# A GPU coming from idle raises its clocks over the first few hundred milliseconds of load, and a few untimed
+# calls (a copy takes well under a millisecond) end long before that: the warm-up lasts half a second, a tenth of
+# a second for QUICK, whose figures are not for quoting.
 FULL = Plan(
     copy_cache_multiple=8,
     warmup=2,
+    warmup_s=0.5,
     repeats=10,
     cuda_matmul_n=8192,
     cpu_matmul_n_max=4096,
@@ -80,6 +86,7 @@ FULL = Plan(
 QUICK = Plan(
     copy_cache_multiple=4,
     warmup=1,
+    warmup_s=0.1,
     repeats=3,
     cuda_matmul_n=2048,
     cpu_matmul_n_max=512,
@@ -189,13 +196,34 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(fn: Callable[[], object], device: torch.device, *, warmup: int, repeats: int) -> tuple[float, float]:
-    """Median seconds of one fn() over `repeats` calls after `warmup` untimed ones, and that median's relative
-    standard error. On CUDA each call sits between two events and the host synchronizes only before the first
-    (warm-up done) and after the last; on the CPU, perf_counter around each call."""
-    for _ in range(warmup):
+def warm_up(
+    fn: Callable[[], object],
+    device: torch.device,
+    *,
+    min_calls: int,
+    min_seconds: float,
+    clock: Callable[[], float] = time.perf_counter,
+) -> int:
+    """Untimed calls of fn() until at least min_calls have run and at least min_seconds have passed; returns how
+    many ran. Each call is synchronized: on CUDA the host would otherwise queue calls far ahead of the device and
+    the seconds would count launches, not work."""
+    started = clock()
+    calls = 0
+    while calls < min_calls or clock() - started < min_seconds:
         fn()
-    synchronize(device)
+        synchronize(device)
+        calls += 1
+    return calls
+
+
+def median_seconds(
+    fn: Callable[[], object], device: torch.device, *, warmup: int, warmup_s: float, repeats: int
+) -> tuple[float, float]:
+    """Median seconds of one fn() over `repeats` calls after the warm-up (warm_up(): at least `warmup` calls and
+    `warmup_s` seconds), and that median's relative standard error. On CUDA each timed call sits between two events
+    and the host synchronizes only before the first (warm-up done) and after the last; on the CPU, perf_counter
+    around each call."""
+    warm_up(fn, device, min_calls=warmup, min_seconds=warmup_s)
     timer = StepTimer(device, n_marks=repeats)
     timer.start()
     for _ in range(repeats):
@@ -220,7 +248,9 @@ def copy_bandwidth(device: torch.device, plan: Plan) -> tuple[float, float, int,
     n_bytes = copy_bytes_for(device, plan)
     src = torch.empty(n_bytes, dtype=torch.uint8, device=device).fill_(1)  # touched: no page faults while timed
     dst = torch.empty_like(src)
-    seconds, rse = median_seconds(lambda: dst.copy_(src), device, warmup=plan.warmup, repeats=plan.repeats)
+    seconds, rse = median_seconds(
+        lambda: dst.copy_(src), device, warmup=plan.warmup, warmup_s=plan.warmup_s, repeats=plan.repeats
+    )
     return 2 * n_bytes / seconds / 1e9, rse, n_bytes, plan.repeats
 
 
@@ -287,7 +317,7 @@ def matmul_throughput(device: torch.device, dtype_name: str, plan: Plan) -> tupl
             fn = matmul_call(device, dtype_name, n)
             seconds = one_call_seconds(fn, device)
         repeats = min(plan.repeats, max(3, int(plan.cpu_dtype_budget_s / max(seconds, 1e-9))))
-    seconds, rse = median_seconds(fn, device, warmup=plan.warmup, repeats=repeats)
+    seconds, rse = median_seconds(fn, device, warmup=plan.warmup, warmup_s=plan.warmup_s, repeats=repeats)
     return 2 * n**3 / seconds / 1e12, rse, n, repeats
 
 

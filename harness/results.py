@@ -113,7 +113,8 @@ COLUMNS: tuple[Column, ...] = (
         "max_memory_gb",
         "float64",
         "GiB",
-        "Cap on the measuring process (RLIMIT_DATA on CPU, allocator fraction on CUDA); null when unset",
+        "Cap on the measuring process (RLIMIT_DATA on CPU; on CUDA the allocator's fraction, less what the process "
+        "already holds, CUDA context included); null when unset",
     ),
     # Latency
     Column("ttft_ms", "float64", "ms", "Time to first token (prefill plus the first token), median over repeats"),
@@ -188,8 +189,15 @@ COLUMNS: tuple[Column, ...] = (
         "peak_mem_bytes",
         "int64",
         "bytes",
-        "Peak memory of the point: CPU, peak RSS of its measuring process; CUDA, NVML process-used peak "
-        "(the allocator's reserved peak where NVML cannot see processes)",
+        "Peak memory of the point, as peak_mem_source says: CPU, peak RSS of its measuring process; CUDA, NVML's "
+        "peak for this process, or the allocator's reserved peak where NVML does not list the process",
+    ),
+    Column(
+        "peak_mem_source",
+        "string",
+        "",
+        "Where peak_mem_bytes comes from: rss (CPU), nvml_process (NVML lists this PID with its memory at the "
+        "baseline), or torch_reserved (it does not: a container's PID namespace, a failed query; a warning says why)",
     ),
     Column(
         "mem_baseline_bytes",
@@ -282,15 +290,39 @@ COLUMNS: tuple[Column, ...] = (
         "energy_j_per_token",
         "float64",
         "J",
-        "NVML total-energy delta over the timed generations (warm-up included, prefill included) / tokens generated",
+        "NVML total-energy delta over the timed generations alone (after the warm-up; prefill included) / the "
+        "tokens they generated",
     ),
-    Column("mean_power_w", "float64", "W", "Mean board power over the timed generations (energy delta / wall time)"),
-    Column("sm_clock_mhz_start", "int64", "MHz", "SM clock when the timed generations began"),
-    Column("sm_clock_mhz_end", "int64", "MHz", "SM clock when they ended: a drop means thermal or power limits"),
-    Column("mem_clock_mhz_start", "int64", "MHz", "Memory clock when the timed generations began"),
-    Column("mem_clock_mhz_end", "int64", "MHz", "Memory clock when they ended"),
-    Column("throttle_reasons_start", "int64", "", "NVML clock-event (throttle) reason bitmask at the start; 0: none"),
-    Column("throttle_reasons_end", "int64", "", "NVML clock-event (throttle) reason bitmask at the end; 0: none"),
+    Column(
+        "mean_power_w",
+        "float64",
+        "W",
+        "Mean board power over the timed generations (that energy delta / their wall time)",
+    ),
+    Column("sm_clock_mhz_min", "int64", "MHz", "Lowest SM clock sampled during the timed generations"),
+    Column("sm_clock_mhz_max", "int64", "MHz", "Highest SM clock sampled during them: far above the min, clocks moved"),
+    Column("mem_clock_mhz_min", "int64", "MHz", "Lowest memory clock sampled during the timed generations"),
+    Column("mem_clock_mhz_max", "int64", "MHz", "Highest memory clock sampled during them"),
+    Column(
+        "throttle_reasons",
+        "int64",
+        "",
+        "Bitwise OR of every NVML clock-event (throttle) reason bitmask sampled during the timed generations; 0: none. "
+        "Bit 0x1 (GPU idle) marks samples that caught the GPU between kernels; 0x4 (power cap), 0x8 (hardware "
+        "slowdown), 0x20 and 0x40 (thermal) mean it throttled",
+    ),
+    Column(
+        "nvml_timed_samples",
+        "int64",
+        "",
+        "NVML samples (every 10 ms) that fell inside the timed generations; 0: too short for clock columns",
+    ),
+    Column(
+        "nvml_error",
+        "string",
+        "",
+        "First NVML error of the point (query: error), or why NVML could not start; null when none (and on CPU)",
+    ),
     # Accuracy: lossy points against the exact cache (contiguous, kv_dtype = dtype), teacher-forced on its tokens
     Column("logit_max_abs_err", "float64", "", "Largest |logit - exact logit| over every step, sequence and token"),
     Column("kl_mean", "float64", "nats", "Mean KL(exact || lossy) of the next-token distributions over all steps"),

@@ -227,15 +227,29 @@ def limit_memory(cfg: RunConfig) -> None:
 
     CPU: RLIMIT_DATA bounds the private writable memory (heap and anonymous maps) the process may hold, so a
     tensor allocation past it fails cleanly instead of inviting the kernel's OOM killer. CUDA: the allocator's
-    per-process memory fraction. Only meant for the spawned child: the limit lasts as long as the process.
+    per-process memory fraction, set to the cap less what the process already holds on the device outside the
+    allocator (the CUDA context, about 0.5 GB, as NVML sees this process, else all memory in use on the device).
+    The allocator reserves cuBLAS's workspaces itself, so they count; device memory the driver takes later outside
+    the allocator (kernels loaded lazily on first use) does not. Only meant for the spawned child: the limit lasts
+    as long as the process.
     """
     if cfg.max_memory_gb is None:
         return
     limit_bytes = int(cfg.max_memory_gb * 2**30)
     device = cfg.torch_device()
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), device)
+        total_bytes = torch.cuda.get_device_properties(device).total_memory
+        held_bytes, counted_by = probes.cuda_bytes_held(device)
+        outside_bytes = max(0, held_bytes - torch.cuda.memory_reserved(device))  # the context, chiefly
+        allocator_bytes = max(0, limit_bytes - outside_bytes)  # 0: the context alone exceeds the cap, all OOMs
+        torch.cuda.set_per_process_memory_fraction(min(1.0, allocator_bytes / total_bytes), device)
+        log.info(
+            "max_memory_gb=%g: %.2f GiB held outside the allocator (%s), so the allocator may reserve %.2f GiB",
+            cfg.max_memory_gb,
+            outside_bytes / 2**30,
+            counted_by,
+            allocator_bytes / 2**30,
+        )
     else:
         soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
         if hard != resource.RLIM_INFINITY:

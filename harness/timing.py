@@ -16,13 +16,18 @@ import numpy as np
 import torch
 
 
+def cuda_event() -> torch.cuda.Event:
+    """One timing event: the seam where a test without a GPU puts a fake."""
+    return torch.cuda.Event(enable_timing=True)
+
+
 class StepTimer:
     """Marks phase boundaries: start(), then mark() after prefill and after each decode step."""
 
     def __init__(self, device: torch.device, n_marks: int) -> None:
         self.cuda = device.type == "cuda"
         if self.cuda:
-            self.events = [torch.cuda.Event(enable_timing=True) for _ in range(n_marks + 1)]
+            self.events = [cuda_event() for _ in range(n_marks + 1)]
         self.stamps: list[float] = []
         self.n = 0
 
@@ -83,10 +88,18 @@ def median_rse(values: list[float]) -> float:
     return 1.2533 * statistics.stdev(values) / math.sqrt(len(values)) / med if med > 0 else math.inf
 
 
-def measure(run_once: Callable[[], Sample], policy: RepeatPolicy) -> list[Sample]:
-    """Warm up, then repeat whole generations until the median TPOT is stable, the budget is spent, or the cap."""
+def measure(
+    run_once: Callable[[], Sample], policy: RepeatPolicy, *, on_measure_start: Callable[[], None] | None = None
+) -> list[Sample]:
+    """Warm up, then repeat whole generations until the median TPOT is stable, the budget is spent, or the cap.
+
+    on_measure_start runs once between the last warm-up generation and the first measured one: where a probe of
+    the measured generations alone (energy, clocks) opens its window.
+    """
     for _ in range(policy.warmup):
         run_once()
+    if on_measure_start is not None:
+        on_measure_start()
     samples: list[Sample] = []
     started = time.perf_counter()
     while len(samples) < policy.max_repeats:

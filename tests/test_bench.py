@@ -36,7 +36,18 @@ def test_a_row_carries_the_roofline_and_the_profile(tmp_path):
     assert row["bw_util"] > 0 and row["predicted_tpot_ms"] > 0
 
 
-def test_energy_and_clock_columns_are_null_on_the_cpu():
+def test_energy_clock_and_nvml_columns_are_null_on_the_cpu_and_peak_memory_is_rss():
     row = run_point(RunConfig(model={"name": "tiny"}, device="cpu", prompt_len=8, gen_len=4, **FAST))
-    for column in ("energy_j_per_token", "mean_power_w", "sm_clock_mhz_start", "throttle_reasons_end"):
+    for column in (
+        "energy_j_per_token",
+        "mean_power_w",
+        "sm_clock_mhz_min",
+        "sm_clock_mhz_max",
+        "mem_clock_mhz_min",
+        "mem_clock_mhz_max",
+        "throttle_reasons",
+        "nvml_timed_samples",
+        "nvml_error",
+    ):
         assert column in row and row[column] is None
+    assert row["peak_mem_source"] == "rss"

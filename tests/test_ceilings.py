@@ -50,6 +50,46 @@ def test_cpu_ceilings_record_the_device_and_the_method(quick_cpu):
     assert quick_cpu.measured_at.endswith("+00:00")
 
 
+class TickingCalls:
+    """fn() for the warm-up: each call advances a fake clock by `call_s`."""
+
+    def __init__(self, call_s: float) -> None:
+        self.call_s, self.now_s, self.calls = call_s, 0.0, 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+        self.now_s += self.call_s
+
+    def clock(self) -> float:
+        return self.now_s
+
+
+def test_the_warm_up_goes_on_until_its_time_has_passed_not_just_its_count():
+    fn = TickingCalls(call_s=0.125)  # a fast call: a fixed two would end after 0.25 s, clocks still ramping
+    calls = ceilings.warm_up(fn, CPU, min_calls=2, min_seconds=0.5, clock=fn.clock)
+    assert calls == fn.calls == 4 and fn.now_s == 0.5
+
+
+def test_the_warm_up_runs_at_least_its_count_however_slow_the_calls():
+    fn = TickingCalls(call_s=10.0)
+    assert ceilings.warm_up(fn, CPU, min_calls=3, min_seconds=0.5, clock=fn.clock) == 3
+
+
+def test_the_copy_and_the_matmul_both_warm_up_for_the_plan_s_time(monkeypatch):
+    warm_ups = []
+
+    def recording_warm_up(fn, device, *, min_calls, min_seconds):
+        fn()
+        warm_ups.append((min_calls, min_seconds))
+        return 1
+
+    monkeypatch.setattr(ceilings, "warm_up", recording_warm_up)
+    ceilings.copy_bandwidth(CPU, ceilings.QUICK)
+    ceilings.matmul_throughput(CPU, "fp32", ceilings.QUICK)
+    assert warm_ups == [(ceilings.QUICK.warmup, ceilings.QUICK.warmup_s)] * 2
+    assert ceilings.FULL.warmup_s >= 0.3  # a few hundred milliseconds: a GPU's ramp from idle to boost clocks
+
+
 def test_json_round_trip_gives_equal_ceilings(quick_cpu):
     assert Ceilings.from_json(quick_cpu.to_json()) == quick_cpu
 

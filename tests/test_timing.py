@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
-from harness.timing import RepeatPolicy, Sample, measure, median_rse, summarize
+from harness import timing
+from harness.timing import RepeatPolicy, Sample, StepTimer, measure, median_rse, summarize
 
 
 def counting(samples):
@@ -24,6 +26,46 @@ def test_warmup_runs_are_excluded_from_the_samples():
     samples = measure(run_once, RepeatPolicy(warmup=2, min_repeats=3, max_repeats=10, target_rse=0.02))
     assert len(calls) == 2 + len(samples)
     assert all(s.ttft_ms == 1.0 for s in samples)
+
+
+def test_on_measure_start_runs_once_between_the_last_warmup_and_the_first_measured_run():
+    events = []
+
+    def run_once():
+        events.append("run")
+        return Sample(ttft_ms=1.0, step_ms=[1.0])
+
+    policy = RepeatPolicy(warmup=2, min_repeats=2, max_repeats=2)
+    measure(run_once, policy, on_measure_start=lambda: events.append("start"))
+    assert events == ["run", "run", "start", "run", "run"]
+
+
+class FakeEvent:
+    """A CUDA event that records at the next millisecond of a fake device clock shared by its timer's events."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log, self.at_ms = log, None
+
+    def record(self):
+        self.log.append("record")
+        self.at_ms = float(self.log.count("record"))
+
+    def synchronize(self):
+        self.log.append("synchronize")
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return end.at_ms - self.at_ms
+
+
+def test_on_cuda_the_step_timer_records_events_and_the_host_waits_once_per_generation(monkeypatch):
+    log = []
+    monkeypatch.setattr(timing, "cuda_event", lambda: FakeEvent(log))
+    timer = StepTimer(torch.device("cuda"), n_marks=3)
+    timer.start()
+    for _ in range(3):
+        timer.mark()
+    assert timer.intervals_ms() == [1.0, 1.0, 1.0]
+    assert log == ["record"] * 4 + ["synchronize"]  # no host wait between marks
 
 
 def test_stable_timings_stop_at_min_repeats():
