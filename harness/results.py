@@ -35,7 +35,9 @@ import pyarrow.parquet as pq
 logger = logging.getLogger(__name__)
 
 # Bump when a column changes meaning or type. Adding a column needs no bump: older files load with it null.
-SCHEMA_VERSION = 1
+# 2: energy_j_per_token and mean_power_w cover the measured generations only (1: warm-up included); clocks and
+# throttle reasons sampled inside that window (sm_clock_mhz_min/max, ...) replace the *_start/*_end reads.
+SCHEMA_VERSION = 2
 
 _ARROW_TYPES = {
     "string": pa.string(),
