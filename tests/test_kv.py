@@ -156,3 +156,82 @@ def test_none_has_nothing_to_store_in_another_format(tiny_args):
         with pytest.raises(Unsupported, match=f"nothing to store as {kv_dtype}"):
             kv.build("none", dataclasses.replace(spec, dtype=dtype), {})
     kv.build("none", spec_for(tiny_args, batch_size=1, max_tokens=8), {})  # fp32 with fp32 compute: fine
+
+
+# --- paged decode on CUDA: which kernel, and FlashInfer's plan from the host ----------------------------------------
+
+
+def cuda_spec(args, *, kv_dtype: str, dtype: str | None) -> CacheSpec:
+    """A paged spec for a CUDA device: only its `.type` is read here, so no GPU is needed."""
+    return dataclasses.replace(
+        spec_for(args, batch_size=2, max_tokens=40, kv_dtype=kv_dtype), device=torch.device("cuda"), dtype=dtype
+    )
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "dtype", "static", "expected"),
+    [
+        ("bf16", "bf16", False, "flashinfer"),
+        ("fp16", "fp16", False, "flashinfer"),
+        ("bf16", "fp32", False, "triton-paged"),  # FlashInfer decodes with queries of the pages' dtype only
+        ("fp16", "bf16", False, "triton-paged"),
+        ("bf16", None, False, "triton-paged"),  # compute dtype unknown: never guess that they agree
+        ("int8", "bf16", False, "triton-paged"),
+        ("bf16", "bf16", True, "triton-paged"),  # a compiled step: FlashInfer plans on the host every step
+    ],
+)
+def test_flashinfer_is_chosen_only_for_queries_of_the_pages_dtype_and_never_in_a_compiled_step(
+    tiny_args, monkeypatch, kv_dtype, dtype, static, expected
+):
+    from harness.kv import paged, triton_paged
+
+    if triton_paged.UNAVAILABLE is not None:
+        pytest.skip(triton_paged.UNAVAILABLE)
+    monkeypatch.setattr(paged, "flashinfer_installed", lambda: True)
+    assert paged.decode_backend(cuda_spec(tiny_args, kv_dtype=kv_dtype, dtype=dtype), static=static) == expected
+
+
+def test_flashinfer_page_lists_are_the_host_tables_in_csr_form():
+    from harness.kv.paged import flashinfer_page_lists
+
+    indptr, indices, last_page_len = flashinfer_page_lists([[7, 2, 5], [0, 4, 1]], n_tokens=9, block_size=4)
+    assert indptr.tolist() == [0, 3, 6] and indices.tolist() == [7, 2, 5, 0, 4, 1] and last_page_len.tolist() == [1, 1]
+    assert all(t.device.type == "cpu" and t.dtype == torch.int32 for t in (indptr, indices, last_page_len))
+
+
+def test_flashinfer_is_planned_from_the_host_tables_never_from_the_device_table(tiny_args, monkeypatch):
+    """On a GPU, reading the device table back (.to("cpu") inside plan) is a host sync every decode step."""
+    import sys
+    import types
+
+    from harness.kv import host
+
+    plans = []
+
+    class Wrapper:  # flashinfer.BatchDecodeWithPagedKVCacheWrapper, as much of it as the cache calls
+        def __init__(self, workspace, kv_layout, use_tensor_cores):
+            assert kv_layout == "HND"
+
+        def plan(self, indptr, indices, last_page_len, n_heads, n_kv_heads, head_dim, page_size, **dtypes):
+            plans.append((indptr.tolist(), indices.tolist(), last_page_len.tolist(), page_size))
+
+        def run(self, q, kv_pages):
+            return torch.zeros_like(q)
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=Wrapper))
+    monkeypatch.setattr(host, "pinned", lambda tensor: tensor)  # the CPU has nothing to pin
+    spec = dataclasses.replace(spec_for(tiny_args, batch_size=2, max_tokens=40), dtype="fp32")
+    cache = kv.build("paged", spec, {"block_size": 4})
+    cache.attn_backend = "flashinfer"  # as decode_backend picks on a GPU with flashinfer installed
+    heads, kv_heads, dim = tiny_args.n_heads, tiny_args.n_kv_heads, tiny_args.head_dim
+    cache.prepare(0, 9)
+    cache.attend(
+        0, torch.zeros(2, heads, 9, dim), torch.zeros(2, kv_heads, 9, dim), torch.zeros(2, kv_heads, 9, dim), 0
+    )
+    cache.prepare(9, 1)
+    cache.table.fill_(-1)  # the device copy of the tables: plan must not read it
+    cache.attend(
+        0, torch.zeros(2, heads, 1, dim), torch.zeros(2, kv_heads, 1, dim), torch.zeros(2, kv_heads, 1, dim), 9
+    )
+    indices = [block for blocks in cache.tables for block in blocks]
+    assert plans == [([0, 3, 6], indices, [2, 2], 4)] and -1 not in indices

@@ -65,3 +65,30 @@ def test_offload_of_a_quantized_format_is_unsupported(tiny_args):
     spec = CacheSpec.for_model(tiny_args, batch_size=1, max_tokens=8, kv_dtype="int8", device=CPU)
     with pytest.raises(Unsupported, match="int8"):
         OffloadCache(spec, Options(), transfers=SyncTransfers())
+
+
+def test_the_host_store_locks_exactly_its_bytes_not_the_next_power_of_two(monkeypatch):
+    """torch's pin_memory=True rounds a block up to a power of two (CachingHostAllocator): the store is registered."""
+    import gc
+
+    from harness.kv import host
+    from harness.kv.offload import CudaTransfers
+
+    calls = []
+
+    class FakeCudart:  # what harness.kv.host calls of the CUDA runtime
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(host, "cudart", FakeCudart)
+    store = CudaTransfers.host_zeros((3, 5, 7, 9), torch.bfloat16)  # 1890 bytes: no power of two
+    assert calls == [("register", store.data_ptr(), 3 * 5 * 7 * 9 * 2)] and not bool(store.any())
+    address = store.data_ptr()
+    del store
+    gc.collect()
+    assert calls[-1] == ("unregister", address)  # unregistered when the store goes

@@ -36,7 +36,9 @@ def page_locked_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     tensor = torch.zeros(shape, dtype=dtype)  # zero-filled: every page is touched before it is locked
     runtime = cudart()
     n_bytes = tensor.numel() * tensor.element_size()
-    torch.cuda.check_error(runtime.cudaHostRegister(tensor.data_ptr(), n_bytes, CUDA_HOST_REGISTER_DEFAULT))
+    error = int(runtime.cudaHostRegister(tensor.data_ptr(), n_bytes, CUDA_HOST_REGISTER_DEFAULT))
+    if error:  # cudaSuccess is 0
+        raise RuntimeError(f"cudaHostRegister of a {n_bytes}-byte host KV store failed with CUDA error {error}")
     # Unregister when the tensor goes, before its memory is returned; holding only the address keeps it collectable.
     weakref.finalize(tensor, runtime.cudaHostUnregister, tensor.data_ptr())
     return tensor

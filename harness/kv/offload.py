@@ -8,6 +8,9 @@ bandwidth per step, which this strategy exists to measure (FlexGen, Sheng et al.
 CUDA only: on any other device the point is `unsupported`, since there is no separate host memory to offload to.
 The bookkeeping (which slot holds which layer, what is copied when) runs unchanged on the CPU in tests through
 `SyncTransfers`, so only the streams themselves need a GPU.
+
+The host store is page-locked exactly (harness.kv.host.page_locked_zeros): torch's pin_memory=True would round it up
+to the next power of two, so a 9 GiB store would lock 16 GiB, and kv_bytes_host would understate what it costs.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import ClassVar
 
 import torch
 
+from harness.kv import host
 from harness.kv.base import CacheSpec, Unsupported, attention
 
 
@@ -27,8 +31,6 @@ class Options:
 
 class CudaTransfers:
     """Host<->device copies on one side stream, ordered against the compute stream with events."""
-
-    pin_memory = True
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device)
@@ -52,11 +54,14 @@ class CudaTransfers:
     def synchronize(self) -> None:
         self.stream.synchronize()
 
+    @staticmethod
+    def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The host store: page-locked, so that the copies above run asynchronously, and exactly its size."""
+        return host.page_locked_zeros(shape, dtype)
+
 
 class SyncTransfers:
     """The same calls as plain synchronous copies: the offload bookkeeping on a CPU, for tests."""
-
-    pin_memory = False
 
     def fetch(self, slot: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
@@ -69,6 +74,10 @@ class SyncTransfers:
 
     def synchronize(self) -> None:
         pass
+
+    @staticmethod
+    def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype)
 
 
 class OffloadCache:
@@ -87,8 +96,8 @@ class OffloadCache:
         self.spec, self.transfers = spec, transfers
         # Token-major layouts, so that one step's tokens and one layer's past are each one contiguous copy.
         token_shape = (2, spec.batch_size, spec.n_kv_heads, spec.head_dim)  # K|V, B, H_kv, D
-        self.host = torch.zeros(
-            (spec.n_layers, spec.max_tokens, *token_shape), dtype=dtype, pin_memory=transfers.pin_memory
+        self.host = transfers.host_zeros(
+            (spec.n_layers, spec.max_tokens, *token_shape), dtype
         )  # [L, S, K|V, B, H_kv, D]
         self.staging = torch.zeros((2, spec.max_tokens, *token_shape), dtype=dtype, device=spec.device)
         self.slot_layer = [-1, -1]  # which layer each staging slot holds: bookkeeping the tests check
