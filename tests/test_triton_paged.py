@@ -72,9 +72,10 @@ TOLERANCE = {"fp32": 1e-5, "fp16": 4e-3, "bf16": 3e-2, "int8": 1e-5, "fp8_e4m3":
 COMPUTE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def paged_case(*, batch, n_kv_heads, group, head_dim, lens, block_size, kv_dtype, compute, seed=0):
+def paged_case(*, batch, n_kv_heads, group, head_dim, lens, block_size, kv_dtype, compute, seed=0, v_magnitude=1.0):
     """Random K/V stored in `kv_dtype` into a pool through a shuffled block table, a query per sequence, and the
-    oracle's answer: harness.kv.base.attention over each sequence's K/V gathered and decoded."""
+    oracle's answer: harness.kv.base.attention over each sequence's K/V gathered and decoded. V is standard normal
+    times `v_magnitude`."""
     gen = torch.Generator().manual_seed(seed)
     max_len = max(lens)
     blocks_per_seq = math.ceil(max_len / block_size)
@@ -86,6 +87,7 @@ def paged_case(*, batch, n_kv_heads, group, head_dim, lens, block_size, kv_dtype
     expected = []
     for b, n in enumerate(lens):
         kv = {side: torch.randn(n_kv_heads, n, head_dim, generator=gen) for side in "kv"}
+        kv["v"] = kv["v"] * v_magnitude
         pos = torch.arange(n)
         blocks, slots = table[b, pos // block_size], pos % block_size
         for side in "kv":
@@ -185,6 +187,28 @@ def test_the_kernel_agrees_with_the_reference_on_bf16_storage_with_fp32_queries(
     inputs["q"] = inputs["q"].float()  # an fp32 model over bf16 K/V: the dot runs in fp32
     reference = triton_paged.paged_decode_reference(**inputs)
     assert_close(triton_paged.paged_decode(**inputs, max_len=64, n_splits=2), reference, "fp32")
+
+
+@needs_triton
+@needs_kernel_here
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("v_magnitude", [1e-3, 1.0, 1e4])
+@pytest.mark.parametrize("n_splits", [1, 3])
+def test_fp16_queries_over_scaled_values_keep_fp16_precision_at_any_value_magnitude(kv_dtype, v_magnitude, n_splits):
+    """The P.V operand p * v_scale is cast to fp16: a value scale is amax / max_code (57344 for e5m2), so unscaled
+    it sinks into fp16's subnormals (below 6.1e-5) and loses bits; the kernel prescales it by a power of two."""
+    inputs, _ = paged_case(
+        batch=3, n_kv_heads=2, group=4, head_dim=64, lens=[37, 1, 150], block_size=16, kv_dtype=kv_dtype,
+        compute=torch.float16, v_magnitude=v_magnitude,
+    )  # fmt: skip
+    reference = triton_paged.paged_decode_reference(**inputs)  # fp32 throughout, rounded to fp16 once
+    actual = triton_paged.paged_decode(**inputs, max_len=150, n_splits=n_splits)  # 3 splits of 64 positions
+    # Both are fp16 roundings of nearly the same value, so at most about an ulp apart: 2^-10 of it. 2e-3 of each
+    # sequence's largest output leaves a second ulp for the kernel's fp16 probabilities. Without the prescale the
+    # error at v_magnitude 1e-3 is 4.5e-3 (int8), 1.5e-2 (e4m3), 0.9 (e5m2); at 1.0, 1.9e-3 to 2.6e-3 for e5m2.
+    for seq in range(3):
+        error = (actual[seq].float() - reference[seq].float()).abs().max().item()
+        assert error <= 2e-3 * reference[seq].float().abs().max().item(), (seq, error)
 
 
 def test_split_count_fills_the_device_but_keeps_splits_long():

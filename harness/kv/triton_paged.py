@@ -13,7 +13,8 @@ The kernel (after vLLM's PagedAttention, Kwon et al. 2023, and flash-decoding, D
       normalized partial output and log-sum-exp, and a second small kernel merges them;
     - fused dequantization for int8 and fp8 storage (harness.kv.quant: one fp32 scale per token and KV head). The
       narrow codes enter the dot products as they are, cast to the query's dtype (exact: int8 and fp8 values are
-      representable in fp16 and bf16); the key scale multiplies the scores, the value scale the probabilities.
+      representable in fp16 and bf16); the key scale multiplies the scores, the value scale the probabilities,
+      times a power of two that keeps them out of fp16's subnormals (`_v_prescale`), divided out at the end.
       No full-precision copy of K or V exists at any time.
 
 The same layout serves the contiguous cache: its [B, H_kv, S_max, D] buffer is a pool of B blocks of S_max tokens,
@@ -96,6 +97,7 @@ if triton is not None:
         block_size,
         split_tokens,  # positions per split, a multiple of BLOCK_N
         qk_scale,  # 1/sqrt(D) * log2(e)
+        v_prescale,  # a power of two the value scales are multiplied by (1 for plain formats): see _v_prescale
         group,  # query heads per KV head (a runtime value: groups 2..16 share one compiled kernel)
         GROUP_PAD: tl.constexpr,  # >= 16: tl.dot's smallest tile
         HEAD_DIM: tl.constexpr,
@@ -153,8 +155,9 @@ if triton is not None:
             p = tl.math.exp2(scores - m_new[:, None])  # [G, BLOCK_N]
             l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
             v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            if SCALED:  # sum_t p_t * (codes_t * s_t) = sum_t (p_t * s_t) * codes_t
-                p = p * tl.load(v_scale_ptr + scale_offsets, mask=pos_ok, other=0.0)[None, :]
+            if SCALED:  # sum_t p_t * (codes_t * s_t) = sum_t (p_t * s_t * 2^k) * codes_t / 2^k, 2^k = v_prescale
+                v_scale = tl.load(v_scale_ptr + scale_offsets, mask=pos_ok, other=0.0) * v_prescale
+                p = p * v_scale[None, :]
             if DOT_KIND == 1:
                 pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
             elif DOT_KIND == 2:
@@ -165,7 +168,9 @@ if triton is not None:
             m = m_new
 
         has_keys = l > 0  # a split past the end of a short sequence saw no key
-        out = acc / tl.where(has_keys, l, 1.0)[:, None]
+        # Normalized, the prescale undone (exact: a power of two; 1 for plain formats). l, hence the lse, never saw
+        # it, so each split's partial output is in the values' units and the merge weighs them as before.
+        out = acc / (tl.where(has_keys, l, 1.0) * v_prescale)[:, None]
         out_offsets = seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :]
         out_mask = row_ok[:, None] & dim_ok[None, :]
         if SPLIT:
@@ -214,6 +219,28 @@ def split_count(*, batch: int, n_kv_heads: int, max_len: int, device: torch.devi
     MIN_SPLIT_TOKENS. Batch 1 on 8 KV heads at 8k tokens: 8 programs alone would use 8 of an H200's 132 SMs."""
     wanted = math.ceil(2 * _sm_count(device) / (batch * n_kv_heads))
     return max(1, min(wanted, max_len // MIN_SPLIT_TOKENS))
+
+
+def _v_prescale(code_dtype: torch.dtype) -> float:
+    """The power of two the kernel multiplies the value scales by, and divides the output by: the largest one not
+    above the format's largest code (int8 127 -> 64, fp8 e4m3 448 -> 256, fp8 e5m2 57344 -> 32768); 1 for plain
+    storage.
+
+    Why: a value scale is amax / max_code (harness.kv.quant), so p * s, the probability operand of the P.V dot, lies
+    max_code times below the values it weighs. With fp16 queries that operand is cast to fp16, whose normals end at
+    6.1e-5 (2^-14): with e5m2 and values under 3.5, every p * s is subnormal, with fewer significant bits the smaller
+    it is (at |v| ~ 0.01, p * s <= 2e-7: 3 of fp16's 11 bits), and the output loses as many. Times 2^k <= max_code,
+    p * s * 2^k <= p * amax: the operand lands where the values themselves would (never past fp16's max when they
+    came from fp16), the products add up in fp32, and the output is divided by 2^k. Powers of two round nothing: in
+    fp32, bf16 and the fp32 accumulator this changes no bit; in fp16 it only keeps bits the subnormals would drop.
+    """
+    if code_dtype == torch.int8:
+        max_code = torch.iinfo(code_dtype).max
+    elif code_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        max_code = torch.finfo(code_dtype).max
+    else:
+        return 1.0
+    return 2.0 ** math.floor(math.log2(max_code))
 
 
 def _check(q, k_pool, v_pool, table, lens, k_scale, v_scale) -> tuple[int, int, int, int]:
@@ -292,6 +319,7 @@ def paged_decode(
         block_size,
         split_tokens,
         LOG2_E / math.sqrt(head_dim),
+        _v_prescale(v_pool.dtype) if scaled else 1.0,
         group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
