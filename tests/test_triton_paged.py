@@ -14,6 +14,9 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,6 +212,85 @@ def test_fp16_queries_over_scaled_values_keep_fp16_precision_at_any_value_magnit
     for seq in range(3):
         error = (actual[seq].float() - reference[seq].float()).abs().max().item()
         assert error <= 2e-3 * reference[seq].float().abs().max().item(), (seq, error)
+
+
+# --- the custom op: what tracing sees (FakeTensorMode, torch.compile) --------------------------------------------
+
+
+def small_case(kv_dtype="int8"):
+    return paged_case(
+        batch=3, n_kv_heads=2, group=4, head_dim=64, lens=[37, 1, 70], block_size=16, kv_dtype=kv_dtype,
+        compute=torch.float16,
+    )[0]  # fmt: skip
+
+
+class _NotLaunched:
+    """Stands in for a kernel: launching it (or wrapping it with torch.library.wrap_triton) fails the test."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("a kernel was launched")
+
+
+@pytest.mark.parametrize("n_splits", [None, 1, 2])
+def test_under_fake_tensor_mode_paged_decode_returns_a_fake_output_and_launches_nothing(monkeypatch, n_splits):
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    monkeypatch.setattr(triton_paged, "_paged_decode_kernel", _NotLaunched(), raising=False)
+    monkeypatch.setattr(triton_paged, "_merge_splits_kernel", _NotLaunched(), raising=False)
+    inputs = small_case()
+    with FakeTensorMode() as mode:
+        fake = {name: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for name, t in inputs.items()}
+        out = triton_paged.paged_decode(**fake, max_len=70, n_splits=n_splits)
+    assert isinstance(out, FakeTensor)
+    assert (out.shape, out.dtype, out.device) == ((3, 8, 64), torch.float16, inputs["q"].device)
+
+
+@needs_triton
+@needs_kernel_here
+def test_the_op_passes_torch_library_opcheck():
+    """Schema, fake against real implementation, and AOT dispatch: torch's own checks for a custom op."""
+    inputs = small_case("int8")  # opcheck's schema check does arithmetic on the inputs: none on fp8 on the CPU
+    args = [inputs.pop(name) for name in ("q", "k_pool", "v_pool", "table", "lens", "k_scale", "v_scale")]
+    kwargs = dict(block_size=inputs["block_size"], max_len=70, n_splits=2)
+    torch.library.opcheck(torch.ops.kvbench.paged_decode.default, args, kwargs)
+
+
+@needs_triton
+@needs_kernel_here
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_paged_decode_compiles_in_one_graph_and_matches_eager(backend):
+    def scaled_attention(inputs):  # a little work around the op, as in a decode step
+        return triton_paged.paged_decode(**inputs, max_len=70, n_splits=2) * 2.0
+
+    inputs = small_case()
+    torch._dynamo.reset()  # compile afresh: a graph break is an error (fullgraph), never a cached success
+    compiled = torch.compile(scaled_attention, fullgraph=True, backend=backend)(inputs)
+    assert torch.equal(compiled, scaled_attention(inputs))  # the same kernel on the same inputs
+
+
+def test_without_triton_the_module_imports_traces_and_says_why_it_cannot_run():
+    """In a fresh interpreter where `import triton` fails: the op is registered, its fake output traces, and the
+    real call raises the reason."""
+    script = """
+import sys
+sys.modules["triton"] = None  # import triton raises ImportError
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from harness.kv import triton_paged
+assert not triton_paged.available()
+args = (torch.zeros(2, 4, 16), torch.zeros(3, 2, 8, 16), torch.zeros(3, 2, 8, 16), torch.zeros(2, 1, dtype=torch.long),
+        torch.ones(2, dtype=torch.int32))
+with FakeTensorMode(allow_non_fake_inputs=True):
+    assert triton_paged.paged_decode(*args, block_size=8, max_len=1).shape == (2, 4, 16)
+try:
+    triton_paged.paged_decode(*args, block_size=8, max_len=1)
+except RuntimeError as exc:
+    print(exc)
+"""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("triton is not importable"), done.stdout
 
 
 def test_split_count_fills_the_device_but_keeps_splits_long():
