@@ -46,6 +46,7 @@ import math
 import os
 
 import torch
+from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 try:
     import triton
@@ -380,6 +381,19 @@ else:
 @_op.register_fake
 def _paged_decode_fake(q, k_pool, v_pool, table, lens, k_scale, v_scale, *, block_size, max_len, n_splits):
     return q.new_empty(q.shape)  # [B, H, D], contiguous as the real output
+
+
+def _paged_decode_flops(q_shape, k_pool_shape, v_pool_shape, *args, max_len, out_shape=None, **kwargs) -> int:
+    """Q.K^T and P.V, 2 FLOPs per multiply-add (as torch.utils.flop_counter counts SDPA), over max_len keys for each
+    sequence and query head. The lens are data and a formula sees only shapes (and ints), so this is exact when every
+    sequence holds max_len tokens, as the harness's batches do (they decode in lockstep), and an upper bound
+    otherwise; at static shapes (harness.kv.contiguous) max_len is the whole buffer, as SDPA's masked path counts."""
+    batch, n_heads, head_dim = q_shape
+    return 2 * batch * n_heads * max_len * (head_dim + v_pool_shape[-1])
+
+
+if torch.ops.kvbench.paged_decode not in flop_registry:  # FlopCounterMode's formulas; a reload registers once
+    register_flop_formula(torch.ops.kvbench.paged_decode)(_paged_decode_flops)
 
 
 def paged_decode(
