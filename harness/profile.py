@@ -14,8 +14,9 @@ What time is classified, and why it is never counted twice:
 
 How a CPU op or a CUDA kernel (seen through the CPU op that launched it) gets its category, by `classify`:
     1. scope: the innermost enclosing `kvbench::` label (`LABELS`, placed in harness.kv.quant and harness.decode)
-       or attention op (`aten::scaled_dot_product_attention` and its backends) claims everything inside it, so a
-       `mul` that quantizes K is KV time and a `bmm` in SDPA's math fallback is attention time;
+       or attention op (`aten::scaled_dot_product_attention` and its backends, or the Triton decode kernels' custom
+       op `kvbench::paged_decode`) claims everything inside it, so a `mul` that quantizes K is KV time and a `bmm`
+       in SDPA's math fallback is attention time;
     2. the op's or kernel's own name (`NAME_RULES`);
     3. an op that only reshapes or allocates (`aten::t`, `aten::empty`) counts with its nearest enclosing op that
        rules 1-2 classify (`aten::t` in `aten::linear` is GEMM); failing that, "other".
@@ -53,13 +54,18 @@ TOP_OPS_COLUMNS = ("op", "category", "self_time_ms", "calls", "share")
 # The record_function labels on the hot path and what they claim. Each costs a few µs per call even with no profiler
 # running, so there are few: 2 per layer (KV write, KV read) and 1 per step (sampling).
 LABELS = {"kvbench::kv_write": "kv", "kvbench::kv_read": "kv", "kvbench::sampling": "sampling"}
+# The torch custom ops the harness registers in the same namespace (harness.kv.triton_paged.OP_NAME): the profiler
+# records them as ops, not labels, and NAME_RULES classify them.
+OPS = ("kvbench::paged_decode",)
 
 # On the lowercased CPU op name or CUDA kernel name; the first match wins. Sampling comes before the reductions
 # (argmax runs as a reduce_kernel on CUDA), attention before GEMM (fmha_cutlass*, flash kernels built on CUTLASS),
 # GEMM before elementwise (CUTLASS epilogues name elementwise functors). cuBLAS on Hopper names its kernels nvjet_*.
+# Triton names a kernel after its function: harness.kv.triton_paged's are _paged_decode_kernel and
+# _merge_splits_kernel, inside the op kvbench::paged_decode.
 NAME_RULES = (
     ("sampling", re.compile(r"argmax|argmin|topk|multinomial|sort")),
-    ("attention", re.compile(r"attention|attn|flash|fmha|sdpa|softmax")),
+    ("attention", re.compile(r"attention|attn|flash|fmha|sdpa|softmax|paged_decode|merge_splits")),
     (
         "gemm",
         re.compile(
@@ -95,7 +101,7 @@ def classify(op_name: str, context: Sequence[str] = ()) -> str:
     for name in context:
         if name in LABELS:
             return LABELS[name]
-        if name.startswith("aten::") and _by_name(name) == "attention":
+        if (name.startswith("aten::") or name in OPS) and _by_name(name) == "attention":
             return "attention"
     own = _by_name(op_name)
     if own != "other":
@@ -104,6 +110,8 @@ def classify(op_name: str, context: Sequence[str] = ()) -> str:
 
 
 def _is_label(event) -> bool:
+    if event.name in OPS:
+        return False
     return bool(event.is_user_annotation) or event.name.startswith(("kvbench::", "ProfilerStep"))
 
 
@@ -186,7 +194,8 @@ def _sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kw
 
 
 # SDPA's backends; bmm and baddbmm only run in SDPA's math fallback: the model's projections are mm and addmm.
-_ATTENTION_FLOP_OPS = re.compile(r"attention|bmm")
+# kvbench.paged_decode: the Triton decode kernels' op, its formula registered in harness.kv.triton_paged.
+_ATTENTION_FLOP_OPS = re.compile(r"attention|bmm|paged_decode")
 
 
 def _count_flops(step) -> tuple[int, int]:

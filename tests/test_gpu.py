@@ -123,8 +123,14 @@ def test_the_compiled_kernel_matches_its_reference_on_cuda(kv_dtype, compute, to
     )
     expected = triton_paged.paged_decode_reference(**inputs)
     actual = triton_paged.paged_decode(**inputs, max_len=max(lens), n_splits=n_splits)
-    error = (actual.float() - expected.float()).abs().max().item()
-    assert error <= tolerance * expected.float().abs().max().item(), error
+    # Relative to each sequence's own largest output: the 1-token sequence's output is a V row (largest ~3), the
+    # 4096-token one a softmax average of many (largest ~0.1), so against the batch's largest output a long
+    # context's errors would hide. fp8_e5m2 with fp16 queries is held to plain fp16's 2e-3: before the kernel prescaled its value
+    # scales (p * amax / 57344 fell into fp16's subnormals) it sat at 3.5e-3 to 1.2e-2 on these sequences, yet
+    # under 9e-4 against the batch's largest output (Triton's interpreter on these inputs; 8e-4 now, either way).
+    for seq in range(len(lens)):
+        error = (actual[seq].float() - expected[seq].float()).abs().max().item()
+        assert error <= tolerance * expected[seq].float().abs().max().item(), (seq, lens[seq], error)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,16 @@ from harness import kv
 from harness.decode import generate
 from harness.kv.base import CacheSpec
 from harness.model import weights_bytes
-from harness.profile import CATEGORIES, TOP_OPS_COLUMNS, _cuda_times, classify, profile_decode
+from harness.profile import (
+    CATEGORIES,
+    OPS,
+    TOP_OPS_COLUMNS,
+    _count_flops,
+    _cpu_times,
+    _cuda_times,
+    classify,
+    profile_decode,
+)
 from harness.timing import StepTimer
 
 CPU = torch.device("cpu")
@@ -72,6 +81,7 @@ def test_kv_writes_and_reads_take_a_share(profiled):
         ("aten::copy_", "norm_elementwise"),
         ("aten::view", "other"),
         ("aten::embedding", "other"),
+        ("kvbench::paged_decode", "attention"),  # the Triton decode kernels' custom op
     ],
 )
 def test_classify_maps_cpu_ops_by_name(op_name, category):
@@ -91,6 +101,8 @@ def test_classify_maps_cpu_ops_by_name(op_name, category):
         ("void at::native::reduce_kernel<512, 1, ReduceOp<float, MeanOps<float>>>", "norm_elementwise"),
         ("void at::native::reduce_kernel<512, 1, ReduceOp<float, ArgMaxOps<float>>>", "sampling"),
         ("Memset (Device)", "other"),
+        ("_paged_decode_kernel", "attention"),  # harness.kv.triton_paged's kernels, as Triton names them
+        ("_merge_splits_kernel", "attention"),
     ],
 )
 def test_classify_maps_cuda_kernels_by_name(kernel_name, category):
@@ -106,6 +118,8 @@ def test_classify_maps_cuda_kernels_by_name(kernel_name, category):
         ("aten::t", ("aten::linear",), "gemm"),  # a view inside the op it serves
         ("Memcpy DtoD (Device -> Device)", ("aten::copy_", "kvbench::kv_write"), "kv"),
         ("aten::empty", ("kvbench::decode_step",), "other"),  # an unknown label claims nothing
+        ("aten::copy_", ("kvbench::paged_decode", "kvbench::decode_step"), "attention"),  # inside the kernels' op
+        ("Memset (Device)", ("kvbench::paged_decode",), "attention"),  # launched by it
     ],
 )
 def test_classify_lets_enclosing_labels_and_ops_decide(op_name, context, category):
@@ -190,3 +204,78 @@ def test_cuda_time_is_kernel_time_classified_through_the_launching_op():
     label_span = gpu("kvbench::kv_write", label, 5, activity="gpu_user_annotation")  # a label on the device: not work
     times = list(_cuda_times([label, quantize, matmul, *kernels, label_span]))
     assert times == [("elementwise_kernel", "kv", 5), ("nvjet_tst_64x8", "gemm", 20)]
+
+
+def _event(id, name, *, parent=None, is_user_annotation=False, self_us=10):
+    made = FunctionEvent(id, name, thread=0, start_us=0, end_us=self_us, is_user_annotation=is_user_annotation)
+    if parent is not None:
+        made.set_cpu_parent(parent)
+    return made
+
+
+def test_the_decode_kernels_on_cuda_are_attention_time():
+    """harness.kv.triton_paged's kernels, launched by its custom op (a CPU op, not a label), inside a decode step."""
+    step = _event(1, "kvbench::decode_step", is_user_annotation=True)
+    op = _event(2, "kvbench::paged_decode", parent=step)
+    kernels = [
+        FunctionEvent(0, name, thread=0, start_us=0, end_us=us, device_type=DeviceType.CUDA,
+                      activity_type="kernel", linked_correlation_id=op.id)
+        for name, us in (("_paged_decode_kernel", 30), ("_merge_splits_kernel", 4))
+    ]  # fmt: skip
+    times = list(_cuda_times([step, op, *kernels]))
+    assert times == [("_paged_decode_kernel", "attention", 30), ("_merge_splits_kernel", "attention", 4)]
+
+
+def test_the_decode_kernels_op_is_cpu_attention_time_not_a_label():
+    step = _event(1, "kvbench::decode_step", is_user_annotation=True)
+    op = _event(2, "kvbench::paged_decode", parent=step, self_us=25)
+    inside = _event(3, "aten::empty", parent=op, self_us=2)
+    op.append_cpu_child(inside)
+    assert list(_cpu_times([step, op, inside])) == [
+        ("kvbench::paged_decode", "attention", 23),  # self time: its child's 2 µs are the child's
+        ("aten::empty", "attention", 2),
+    ]
+
+
+def test_the_profile_knows_the_custom_op_the_kernels_register():
+    from harness.kv import triton_paged
+
+    assert triton_paged.OP_NAME in OPS
+
+
+def test_the_decode_kernels_flops_count_as_attention():
+    """FlopCounterMode through the op's registered formula: 2 FLOPs per multiply-add of Q.K^T and P.V over max_len
+    keys per sequence and head; traced with fake tensors, so nothing runs (nor needs triton)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from harness.kv import triton_paged
+
+    batch, n_heads, n_kv_heads, head_dim, block_size, max_len = 3, 8, 2, 64, 16, 70
+    with FakeTensorMode():
+        q = torch.empty(batch, n_heads, head_dim)
+        pool = torch.empty(12, n_kv_heads, block_size, head_dim, dtype=torch.int8)
+        scales = torch.empty(12, n_kv_heads, block_size)
+        table, lens = torch.zeros(batch, 5, dtype=torch.long), torch.full((batch,), max_len, dtype=torch.int32)
+
+        def step():
+            triton_paged.paged_decode(
+                q, pool, pool, table, lens, block_size=block_size, max_len=max_len, k_scale=scales, v_scale=scales
+            )
+
+        attention_flops, total_flops = _count_flops(step)
+    assert attention_flops == total_flops == 2 * batch * n_heads * max_len * 2 * head_dim
+
+
+def test_a_profiled_decode_through_the_kernel_counts_its_time_and_flops_as_attention(tiny_model, tiny_args):
+    """The contiguous cache's int8 decode through the kernel (CUDA's path; here in Triton's interpreter)."""
+    triton_paged = pytest.importorskip("harness.kv.triton_paged")
+    if not triton_paged.available() or not triton_paged.INTERPRETED:
+        pytest.skip(triton_paged.UNAVAILABLE or "the kernels were not built for Triton's interpreter")
+    cache = build_cache(tiny_args, "int8")
+    cache.fused_dequant = True  # what CUDA decides (kernel_unsupported is None there)
+    columns, top_ops = profile_decode(tiny_model, cache, make_prompt(tiny_args), n_steps=N_STEPS, device=CPU)
+    context = PROMPT_LEN + 1
+    formula = 2 * 2 * tiny_args.n_layers * tiny_args.n_heads * tiny_args.head_dim * context * BATCH
+    assert columns["prof_attention_flops"] == formula  # every sequence holds the step's context: exact
+    op = top_ops[top_ops["op"] == triton_paged.OP_NAME]
+    assert list(op["category"]) == ["attention"] and columns["prof_attention_frac"] > 0

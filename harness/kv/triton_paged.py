@@ -13,7 +13,8 @@ The kernel (after vLLM's PagedAttention, Kwon et al. 2023, and flash-decoding, D
       normalized partial output and log-sum-exp, and a second small kernel merges them;
     - fused dequantization for int8 and fp8 storage (harness.kv.quant: one fp32 scale per token and KV head). The
       narrow codes enter the dot products as they are, cast to the query's dtype (exact: int8 and fp8 values are
-      representable in fp16 and bf16); the key scale multiplies the scores, the value scale the probabilities.
+      representable in fp16 and bf16); the key scale multiplies the scores, the value scale the probabilities,
+      times a power of two that keeps them out of fp16's subnormals (`_v_prescale`), divided out at the end.
       No full-precision copy of K or V exists at any time.
 
 The same layout serves the contiguous cache: its [B, H_kv, S_max, D] buffer is a pool of B blocks of S_max tokens,
@@ -27,6 +28,13 @@ TRITON_INTERPRET=1 when this module is imported (the decorators read it) and whi
 no bf16, so there (and only there) bf16 dot operands are widened to fp32: the values are the same, only the
 products' accumulation order differs.
 
+The kernels are one torch custom op, `kvbench::paged_decode` (`torch.ops.kvbench.paged_decode`), which
+`paged_decode` calls once it has decided the host-side figures (checks, n_splits). Its fake implementation only
+allocates the output, so the op traces under FakeTensorMode and torch.compile(fullgraph=True) on any device, with or
+without triton: on device="cuda" without a GPU, give n_splits or monkeypatch `_sm_count` (and `_capability` for
+`kernel_unsupported`), the only device queries. It is also the CPU op a profile shows around the kernels, and
+the op FlopCounterMode counts (harness.profile).
+
 Where this runs: harness.kv.paged (decode steps on CUDA: "triton-paged") and harness.kv.contiguous (int8/fp8 decode
 steps on CUDA: "triton-dequant"). Both import this module only on CUDA.
 """
@@ -38,6 +46,7 @@ import math
 import os
 
 import torch
+from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 try:
     import triton
@@ -96,6 +105,7 @@ if triton is not None:
         block_size,
         split_tokens,  # positions per split, a multiple of BLOCK_N
         qk_scale,  # 1/sqrt(D) * log2(e)
+        v_prescale,  # a power of two the value scales are multiplied by (1 for plain formats): see _v_prescale
         group,  # query heads per KV head (a runtime value: groups 2..16 share one compiled kernel)
         GROUP_PAD: tl.constexpr,  # >= 16: tl.dot's smallest tile
         HEAD_DIM: tl.constexpr,
@@ -153,8 +163,9 @@ if triton is not None:
             p = tl.math.exp2(scores - m_new[:, None])  # [G, BLOCK_N]
             l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
             v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            if SCALED:  # sum_t p_t * (codes_t * s_t) = sum_t (p_t * s_t) * codes_t
-                p = p * tl.load(v_scale_ptr + scale_offsets, mask=pos_ok, other=0.0)[None, :]
+            if SCALED:  # sum_t p_t * (codes_t * s_t) = sum_t (p_t * s_t * 2^k) * codes_t / 2^k, 2^k = v_prescale
+                v_scale = tl.load(v_scale_ptr + scale_offsets, mask=pos_ok, other=0.0) * v_prescale
+                p = p * v_scale[None, :]
             if DOT_KIND == 1:
                 pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
             elif DOT_KIND == 2:
@@ -165,7 +176,9 @@ if triton is not None:
             m = m_new
 
         has_keys = l > 0  # a split past the end of a short sequence saw no key
-        out = acc / tl.where(has_keys, l, 1.0)[:, None]
+        # Normalized, the prescale undone (exact: a power of two; 1 for plain formats). l, hence the lse, never saw
+        # it, so each split's partial output is in the values' units and the merge weighs them as before.
+        out = acc / (tl.where(has_keys, l, 1.0) * v_prescale)[:, None]
         out_offsets = seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :]
         out_mask = row_ok[:, None] & dim_ok[None, :]
         if SPLIT:
@@ -204,9 +217,15 @@ if triton is not None:
         tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
+# The CUDA device queries, each in one small function: under FakeTensorMode without a GPU they raise, so a test that
+# traces on device="cuda" monkeypatches these two.
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def split_count(*, batch: int, n_kv_heads: int, max_len: int, device: torch.device) -> int:
@@ -214,6 +233,39 @@ def split_count(*, batch: int, n_kv_heads: int, max_len: int, device: torch.devi
     MIN_SPLIT_TOKENS. Batch 1 on 8 KV heads at 8k tokens: 8 programs alone would use 8 of an H200's 132 SMs."""
     wanted = math.ceil(2 * _sm_count(device) / (batch * n_kv_heads))
     return max(1, min(wanted, max_len // MIN_SPLIT_TOKENS))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv, without triton
+
+
+def _split_plan(*, max_len: int, n_splits: int) -> tuple[int, int]:
+    """(positions per split, a multiple of BLOCK_N; the splits that cover max_len) for about n_splits splits."""
+    split_tokens = _cdiv(_cdiv(max_len, n_splits), BLOCK_N) * BLOCK_N
+    return split_tokens, _cdiv(max_len, split_tokens)
+
+
+def _v_prescale(code_dtype: torch.dtype) -> float:
+    """The power of two the kernel multiplies the value scales by, and divides the output by: the largest one not
+    above the format's largest code (int8 127 -> 64, fp8 e4m3 448 -> 256, fp8 e5m2 57344 -> 32768); 1 for plain
+    storage.
+
+    Why: a value scale is amax / max_code (harness.kv.quant), so p * s, the probability operand of the P.V dot, lies
+    max_code times below the values it weighs. With fp16 queries that operand is cast to fp16, whose normals end at
+    6.1e-5 (2^-14): with e5m2 and values under 3.5, every p * s is subnormal, with fewer significant bits the smaller
+    it is (values under 0.01: p * s < 1.8e-7, 3 steps of 2^-24, 2 of fp16's 11 bits), and the output loses as many
+    (tests/test_triton_paged.py measured 0.9 relative error at |v| ~ 1e-3). Times 2^k <= max_code, p * s * 2^k <=
+    p * amax: the operand lands where the values themselves would (never past fp16's max when they came from fp16),
+    the products add up in fp32, and the output is divided by 2^k. Powers of two round nothing: in fp32, bf16 and
+    the fp32 accumulator this changes no bit; in fp16 it only keeps bits the subnormals would drop.
+    """
+    if code_dtype == torch.int8:
+        max_code = torch.iinfo(code_dtype).max
+    elif code_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        max_code = torch.finfo(code_dtype).max
+    else:
+        return 1.0
+    return 2.0 ** math.floor(math.log2(max_code))
 
 
 def _check(q, k_pool, v_pool, table, lens, k_scale, v_scale) -> tuple[int, int, int, int]:
@@ -229,34 +281,31 @@ def _check(q, k_pool, v_pool, table, lens, k_scale, v_scale) -> tuple[int, int, 
     return batch, n_heads, n_kv_heads, head_dim
 
 
-def paged_decode(
+OP_NAME = "kvbench::paged_decode"  # the custom op; also its CPU op name in a profile (harness.profile)
+
+
+def _paged_decode_impl(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     table: torch.Tensor,
     lens: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
     *,
     block_size: int,
     max_len: int,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    n_splits: int | None = None,
+    n_splits: int,
 ) -> torch.Tensor:
-    """One decode query per sequence over its paged K/V, with the Triton kernel.
-
-    q [B, H, D]; k_pool, v_pool [N, H_kv, block_size, D] in any storage dtype (int8/fp8 codes with k_scale, v_scale
-    [N, H_kv, block_size] fp32); table [B, max_blocks] block ids; lens [B] tokens held per sequence (at least 1 each,
-    at most max_len, a host-side bound that sizes the splits) -> [B, H, D] in q's dtype.
-    """
+    """The op's kernel launches, arguments as paged_decode's once checked (n_splits decided). Each launch goes
+    through torch.library.wrap_triton, so a trace of this body (torch.compile's inductor, through triton_op) sees
+    the kernels themselves; outside a trace, and for the interpreter's kernels, it hands back the kernel as it is."""
     if triton is None:
         raise RuntimeError(UNAVAILABLE)
-    batch, n_heads, n_kv_heads, head_dim = _check(q, k_pool, v_pool, table, lens, k_scale, v_scale)
-    assert q.stride(-1) == 1 and k_pool.stride(-1) == 1, "the head dimension must be dense"
+    batch, n_heads, head_dim = q.shape
+    n_kv_heads = k_pool.shape[1]
     group = n_heads // n_kv_heads
-    if n_splits is None:
-        n_splits = split_count(batch=batch, n_kv_heads=n_kv_heads, max_len=max_len, device=q.device)
-    split_tokens = triton.cdiv(triton.cdiv(max_len, n_splits), BLOCK_N) * BLOCK_N
-    n_splits = triton.cdiv(max_len, split_tokens)
+    split_tokens, n_splits = _split_plan(max_len=max_len, n_splits=n_splits)
     out = torch.empty((batch, n_heads, head_dim), dtype=q.dtype, device=q.device)
     if n_splits > 1:
         partial = torch.empty((batch, n_heads, n_splits, head_dim), dtype=torch.float32, device=q.device)
@@ -267,7 +316,7 @@ def paged_decode(
     k_scale = k_scale if scaled else lens  # any tensor: a pointer the kernel never reads
     v_scale = v_scale if scaled else lens
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    _paged_decode_kernel[(batch, n_kv_heads, n_splits)](
+    torch.library.wrap_triton(_paged_decode_kernel)[(batch, n_kv_heads, n_splits)](
         q,
         k_pool,
         v_pool,
@@ -292,6 +341,7 @@ def paged_decode(
         block_size,
         split_tokens,
         LOG2_E / math.sqrt(head_dim),
+        _v_prescale(v_pool.dtype) if scaled else 1.0,
         group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -303,7 +353,7 @@ def paged_decode(
         num_warps=4,
     )
     if n_splits > 1:
-        _merge_splits_kernel[(batch * n_heads,)](
+        torch.library.wrap_triton(_merge_splits_kernel)[(batch * n_heads,)](
             partial,
             lse,
             out,
@@ -316,6 +366,66 @@ def paged_decode(
             SPLITS_PAD=triton.next_power_of_2(n_splits),
         )
     return out
+
+
+# Compiled kernels register as a triton_op, whose body torch.compile traces down to the kernels; the interpreter's
+# kernels (and a machine without triton) as an opaque custom_op, since tracing that body would run the interpreter on
+# fake tensors. Either way one op name, and one fake implementation: the output's shape, dtype and device from q's,
+# nothing read, nothing launched, so it traces under FakeTensorMode on any device, with or without triton.
+if triton is not None and not INTERPRETED:
+    _op = torch.library.triton_op(OP_NAME, _paged_decode_impl, mutates_args=())
+else:
+    _op = torch.library.custom_op(OP_NAME, _paged_decode_impl, mutates_args=())
+
+
+@_op.register_fake
+def _paged_decode_fake(q, k_pool, v_pool, table, lens, k_scale, v_scale, *, block_size, max_len, n_splits):
+    return q.new_empty(q.shape)  # [B, H, D], contiguous as the real output
+
+
+def _paged_decode_flops(q_shape, k_pool_shape, v_pool_shape, *args, max_len, out_shape=None, **kwargs) -> int:
+    """Q.K^T and P.V, 2 FLOPs per multiply-add (as torch.utils.flop_counter counts SDPA), over max_len keys for each
+    sequence and query head. The lens are data and a formula sees only shapes (and ints), so this is exact when every
+    sequence holds max_len tokens, as the harness's batches do (they decode in lockstep), and an upper bound
+    otherwise; at static shapes (harness.kv.contiguous) max_len is the whole buffer, as SDPA's masked path counts."""
+    batch, n_heads, head_dim = q_shape
+    return 2 * batch * n_heads * max_len * (head_dim + v_pool_shape[-1])
+
+
+if torch.ops.kvbench.paged_decode not in flop_registry:  # FlopCounterMode's formulas; a reload registers once
+    register_flop_formula(torch.ops.kvbench.paged_decode)(_paged_decode_flops)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    table: torch.Tensor,
+    lens: torch.Tensor,
+    *,
+    block_size: int,
+    max_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    n_splits: int | None = None,
+) -> torch.Tensor:
+    """One decode query per sequence over its paged K/V, with the Triton kernel: the op `kvbench::paged_decode`.
+
+    q [B, H, D]; k_pool, v_pool [N, H_kv, block_size, D] in any storage dtype (int8/fp8 codes with k_scale, v_scale
+    [N, H_kv, block_size] fp32); table [B, max_blocks] block ids; lens [B] tokens held per sequence (at least 1 each,
+    at most max_len, a host-side bound that sizes the splits) -> [B, H, D] in q's dtype.
+
+    The host-side figures are decided here, before the op: the checks, and n_splits (by default split_count's, which
+    asks the device its SM count). Under FakeTensorMode on CUDA without a GPU, pass n_splits (or monkeypatch
+    _sm_count): the op itself then only allocates its fake output.
+    """
+    _check(q, k_pool, v_pool, table, lens, k_scale, v_scale)
+    assert q.stride(-1) == 1 and k_pool.stride(-1) == 1, "the head dimension must be dense"
+    if n_splits is None:
+        n_splits = split_count(batch=q.shape[0], n_kv_heads=k_pool.shape[1], max_len=max_len, device=q.device)
+    return torch.ops.kvbench.paged_decode(
+        q, k_pool, v_pool, table, lens, k_scale, v_scale, block_size=block_size, max_len=max_len, n_splits=n_splits
+    )
 
 
 def paged_decode_reference(
@@ -373,6 +483,6 @@ def kernel_unsupported(kv_dtype: str, device: torch.device) -> str | None:
         return UNAVAILABLE
     if kv_dtype == "int4":
         return "int4 (KIVI) groups keys across tokens and keeps a full-precision tail: no fused path"
-    if kv_dtype.startswith("fp8") and torch.cuda.get_device_capability(device) < (8, 9):
+    if kv_dtype.startswith("fp8") and _capability(device) < (8, 9):
         return "Triton converts fp8 in registers on compute capability 8.9+ only"
     return None
