@@ -5,6 +5,9 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# The fake-CUDA layer's environment: the CUDA build of torch, which plain pip brings on Linux x86-64 (about 6 GB
+# installed; no GPU needed: FakeTensorMode never touches one). Kept apart so that .venv stays the light CPU build.
+VENV_CUDA := .venv-cuda
 # An NVIDIA GPU present? Then plain pip brings CUDA torch. Without one, install the CPU build first so that the
 # project's `torch>=2.6` range is already met and pip never pulls a multi-GB CUDA build. Elsewhere, for example:
 #   make test TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu"
@@ -16,10 +19,11 @@ ARGS ?=
 ADDRESS ?= 127.0.0.1
 PORT ?= 8501
 
-.PHONY: help setup run test lint docs ceilings dashboard screenshot bench-dashboard bench bench-sweep clean-results
+.PHONY: help setup run test test-cuda-trace lint docs ceilings dashboard screenshot bench-dashboard bench bench-sweep \
+	clean-results
 
 help: ## Show this help
-	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-14s %s\n", $$1, $$2}'
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-16s %s\n", $$1, $$2}'
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +42,17 @@ run: setup ## The quickstart sweep on the best device present (cuda, else cpu); 
 
 test: setup ## The whole test suite (GPU tests skip cleanly without a GPU)
 	$(BIN)/python -m pytest
+
+$(VENV_CUDA)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV_CUDA)
+	$(VENV_CUDA)/bin/pip install torch
+	$(VENV_CUDA)/bin/python -c "import sys, torch; sys.exit(0 if torch.version.cuda else \
+		'make test-cuda-trace: pip brought a CPU build of torch ' + torch.__version__ + ' here; fake CUDA needs the CUDA build')"
+	$(VENV_CUDA)/bin/pip install -e . 'pytest>=8'
+	touch $@
+
+test-cuda-trace: $(VENV_CUDA)/.installed ## Fake CUDA: every strategy x kv_dtype x compile mode traced at 8B shapes, no GPU
+	$(VENV_CUDA)/bin/python -m pytest -m cuda_trace tests/test_cuda_trace.py
 
 lint: setup ## ruff lint and format check
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

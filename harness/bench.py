@@ -62,8 +62,9 @@ def run_point(cfg: RunConfig) -> dict:
             seed=cfg.seed,
             n_positions=cfg.prompt_len + cfg.gen_len,
         )
-        prompt_ids = make_prompts(cfg, vocab_size=args.vocab_size)  # on the host, where a prefix cache hashes them
-        prompt = prompt_ids.to(device)
+        prompt = make_prompts(cfg, vocab_size=args.vocab_size)
+        prompt_ids = prompt.tolist()  # the ids on the host, where a prefix cache looks them up (as a server's are)
+        prompt = prompt.to(device)
         step = compile_decode_step(model, cache, mode=cfg.compile) if cfg.compile != "none" else None
         skips_before = cudagraph_skips()  # a process-wide counter: this point's skips are its increase
         timer = StepTimer(device, n_marks=cfg.gen_len)

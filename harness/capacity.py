@@ -301,11 +301,11 @@ def kv_allocation(w: Workload) -> KVAllocation:
     # (harness.kv.quant: TokenFormat.parts, Int4Kivi.parts), each row `width` values per `tokens` positions.
     data_width_bytes = head_dim * BITS[kv_dtype] // 8  # int4: D / 2 bytes
     scale_parts = _scale_parts(w)  # [(tokens per row, width)] of fp32 values
-    if w.cache == "contiguous":  # data [L, K|V, B, H_kv, S, w]; each scale part [L, B, H_kv, ceil(S / tokens), w]
+    if w.cache == "contiguous":  # K and V each [L, B, H_kv, S, w]; each scale part [L, B, H_kv, ceil(S / tokens), w]
         lead = layers * batch * heads
         data = lead * 2 * w.max_tokens * data_width_bytes
         scales = sum(lead * blocks_for(w.max_tokens, tokens) * width * SCALE_BYTES for tokens, width in scale_parts)
-    else:  # pool [L, K|V, N, H_kv, bs, w]; each scale part [L, N, H_kv, rows per block, w]
+    else:  # K and V pools each [L, N, H_kv, bs, w]; each scale part [L, N, H_kv, rows per block, w]
         n_blocks = pool_blocks(w)
         lead = layers * n_blocks * heads
         data = lead * 2 * w.block_size * data_width_bytes

@@ -29,12 +29,13 @@ DecodeStep = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def prefill_logits(
-    model: torch.nn.Module, cache: KVCache, prompt: torch.Tensor, *, prompt_ids: torch.Tensor | None = None
+    model: torch.nn.Module, cache: KVCache, prompt: torch.Tensor, *, prompt_ids: list[list[int]] | None = None
 ) -> torch.Tensor:
     """prompt [B, P] on the model's device -> the logits [B, V] of the token after it.
 
-    prompt_ids: the same ids on the host, where a server keeps them; a prefix cache hashes them there, so that looking
-    a prefix up never copies the prompt back from the device (a sync). Without it the cache copies them itself."""
+    prompt_ids: the same ids on the host as lists of ints, where a server keeps them; a prefix cache hashes them
+    there, so that looking a prefix up never copies the prompt back from the device (a sync). Without them the cache
+    copies the prompt itself."""
     # Optional hook `prefill_prefix(model, prompt, prompt_ids) -> int` (harness.kv.prefix): the cache fills the prefix
     # every sequence shares (or finds it cached) and says how many leading tokens it holds; only the rest runs here.
     prefill_prefix = getattr(cache, "prefill_prefix", None)
@@ -50,7 +51,7 @@ def decode_logits(model: torch.nn.Module, cache: KVCache, tokens: torch.Tensor, 
 
 
 def prefill(
-    model: torch.nn.Module, cache: KVCache, prompt: torch.Tensor, *, prompt_ids: torch.Tensor | None = None
+    model: torch.nn.Module, cache: KVCache, prompt: torch.Tensor, *, prompt_ids: list[list[int]] | None = None
 ) -> torch.Tensor:
     """prompt [B, P] -> the first generated token [B] (prompt_ids: as in prefill_logits)."""
     logits = prefill_logits(model, cache, prompt, prompt_ids=prompt_ids)
@@ -139,12 +140,12 @@ def generate(
     timer: StepTimer,
     step: DecodeStep | None = None,
     *,
-    prompt_ids: torch.Tensor | None = None,
+    prompt_ids: list[list[int]] | None = None,
 ) -> tuple[torch.Tensor, Sample]:
     """Greedy decoding of gen_len tokens after prompt [B, P]. Returns (generated ids [B, gen_len], timing).
 
     step: how each decode step runs (compile_decode_step's); by default decode_step, eager.
-    prompt_ids: the prompt's ids on the host, where a prefix cache looks them up (prefill_logits)."""
+    prompt_ids: the prompt's ids on the host as lists of ints, where a prefix cache looks them up (prefill_logits)."""
     step = step or functools.partial(decode_step, model, cache)
     batch, prompt_len = prompt.shape
     # One buffer for the whole sequence: no per-step concatenation on the hot path.

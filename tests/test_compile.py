@@ -73,7 +73,7 @@ def test_every_input_a_compiled_decode_step_mutates_is_a_static_input(
     prompt[1, :prefix_len] = prompt[0, :prefix_len]
     torch._dynamo.reset()
     step = compile_decode_step(tiny_model, cache, mode="default", backend=backend)
-    generate(tiny_model, cache, prompt, 4, StepTimer(CPU, n_marks=4), step=step, prompt_ids=prompt)
+    generate(tiny_model, cache, prompt, 4, StepTimer(CPU, n_marks=4), step=step, prompt_ids=prompt.tolist())
     assert len(graphs) == 1, "one graph for every decode step"
     assert graphs[0].mutated, "the step writes the new token's K and V into the cache"
     assert graphs[0].mutated_not_static == []

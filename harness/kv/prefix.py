@@ -32,19 +32,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from harness.kv.base import CacheSpec, Unsupported, blocks_for
 from harness.kv.paged import Options, PagedCache
 
 
-def block_hashes(token_ids: torch.Tensor, block_size: int) -> tuple[bytes, ...]:
+def block_hashes(token_ids: np.ndarray, block_size: int) -> tuple[bytes, ...]:
     """token_ids [n] on the host, n a multiple of block_size -> one sha256 per block, each chained to the previous
     (vLLM's prefix-cache key; sha256, not Python's hash, so two different prefixes never collide in practice)."""
-    assert token_ids.numel() % block_size == 0, "only whole blocks are hashed"
+    token_ids = np.asarray(token_ids, dtype=np.int64)
+    assert token_ids.size % block_size == 0, "only whole blocks are hashed"
     hashes, parent = [], b""
-    for block in token_ids.to(torch.int64).split(block_size):
-        parent = hashlib.sha256(parent + block.numpy().tobytes()).digest()
+    for start in range(0, token_ids.size, block_size):
+        parent = hashlib.sha256(parent + token_ids[start : start + block_size].tobytes()).digest()
         hashes.append(parent)
     return tuple(hashes)
 
@@ -79,13 +81,13 @@ class PrefixCache(PagedCache):
         self.n_shared_tokens = 0  # leading tokens of the live batch stored in shared blocks
 
     def prefill_prefix(
-        self, model: torch.nn.Module, prompt: torch.Tensor, *, prompt_ids: torch.Tensor | None = None
+        self, model: torch.nn.Module, prompt: torch.Tensor, *, prompt_ids: list[list[int]] | None = None
     ) -> int:
         """prompt [B, P]: make the shared prefix present for every sequence; return its length in tokens (0: none).
 
         A miss runs model(prompt[:1, :n], start_pos=0) once, as a single sequence, into blocks the cache keeps.
-        prompt_ids: the same ids on the host, where they are hashed; without them the prefix is copied back from
-        the device (a small copy, and a host sync on a GPU).
+        prompt_ids: the same ids on the host, as lists of ints, where they are hashed; without them the prefix is
+        copied back from the device (a small copy, and a host sync on a GPU).
         """
         self._drop_sequences()  # a new batch (release() has normally done this already)
         # Whole blocks only, and at least one token left to prefill: its logits give the first output token.
@@ -93,8 +95,9 @@ class PrefixCache(PagedCache):
         self.prefix_hit, self.n_shared_tokens = False, 0
         if n_tokens <= 0:
             return 0
-        ids = (prompt if prompt_ids is None else prompt_ids)[:, :n_tokens].cpu()  # [B, n] on the host, to hash
-        if not bool((ids == ids[:1]).all()):
+        # [B, n] as Python ints: the lookup is host bookkeeping (a server's scheduler), never a tensor program.
+        ids = [list(row[:n_tokens]) for row in (prompt_ids or prompt[:, :n_tokens].cpu().tolist())]
+        if any(row != ids[0] for row in ids):
             raise ValueError(
                 f"prefix_len: the batch's prompts differ within their first {n_tokens} tokens; every sequence "
                 "must start with the same prefix"

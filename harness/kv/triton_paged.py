@@ -297,9 +297,8 @@ def _paged_decode_impl(
     max_len: int,
     n_splits: int,
 ) -> torch.Tensor:
-    """The op's kernel launches, arguments as paged_decode's once checked (n_splits decided). Each launch goes
-    through torch.library.wrap_triton, so a trace of this body (torch.compile's inductor, through triton_op) sees
-    the kernels themselves; outside a trace, and for the interpreter's kernels, it hands back the kernel as it is."""
+    """The op's kernel launches, arguments as paged_decode's once checked (n_splits decided). Outside a trace
+    torch.library.wrap_triton hands back the kernel as it is."""
     if triton is None:
         raise RuntimeError(UNAVAILABLE)
     batch, n_heads, head_dim = q.shape
@@ -368,14 +367,12 @@ def _paged_decode_impl(
     return out
 
 
-# Compiled kernels register as a triton_op, whose body torch.compile traces down to the kernels; the interpreter's
-# kernels (and a machine without triton) as an opaque custom_op, since tracing that body would run the interpreter on
-# fake tensors. Either way one op name, and one fake implementation: the output's shape, dtype and device from q's,
-# nothing read, nothing launched, so it traces under FakeTensorMode on any device, with or without triton.
-if triton is not None and not INTERPRETED:
-    _op = torch.library.triton_op(OP_NAME, _paged_decode_impl, mutates_args=())
-else:
-    _op = torch.library.custom_op(OP_NAME, _paged_decode_impl, mutates_args=())
+# An opaque custom op everywhere, with one fake implementation: the output's shape, dtype and device from q's,
+# nothing read, nothing launched, so it traces under FakeTensorMode on any device, with or without triton, and
+# torch.compile keeps it as one node (CUDA graphs capture its launches). Not a triton_op: inductor would then trace
+# into the kernels and functionalize them, which needs the kernels' TTIR to learn what they mutate (failing that, it
+# clones every input, the KV pools included, at every call), and the fake-CUDA tests could not check that path.
+_op = torch.library.custom_op(OP_NAME, _paged_decode_impl, mutates_args=())
 
 
 @_op.register_fake
