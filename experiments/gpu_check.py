@@ -55,9 +55,11 @@ HOST_S_PER_LAYER = 250e-6
 # A sweep's start: Hydra, the torch import and validating every point in the parent (~5 s), then the first spawned
 # worker's torch import and CUDA initialization (~10 s). Warm workers are reused for every later ok point.
 SWEEP_START_S = 15.0
-# Each point: the dummy weights built on the device (about a second for Llama-3.1-8B's 16 GB), cache allocation,
-# the row's atomic write and the resume index (0.21 s per point with warm workers: README, make bench-sweep).
-POINT_OVERHEAD_S = 1.0
+# Each point: the first call of its Triton kernels (a paged or quantized cache's decode kernel: ~2 s to compile
+# once per specialization, from Triton's disk cache after), cache allocation, the row's atomic write and the resume
+# index (0.21 s per point with warm workers: README, make bench-sweep); then the dummy weights, built on the device
+# at BUILD_BYTES_PER_S (about a second for Llama-3.1-8B's 16 GB).
+POINT_OVERHEAD_S = 3.0
 BUILD_BYTES_PER_S = 16e9
 ACCURACY_GENERATIONS = 3  # the exact cache's own generation, then the teacher-forced pass of each cache
 PROFILER_START_S = 3.0  # torch.profiler's first CUDA (CUPTI) start in a process
@@ -608,7 +610,7 @@ def plan_table(*, gpu: Gpu = H200) -> pd.DataFrame:
         }
         for stage, limit in limits.items()
     ]
-    return pd.DataFrame(lines)
+    return pd.DataFrame(lines).astype({"points": "Int64", "predicted_s": "Int64"})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # kvbench's GPU check: one command, at most 9 minutes on one H200 (the stages' limits add up to 7.6), runnable on a
-# machine without a package index. From the repository root, with .whl/ filled by `make gpu-wheels` beside it:
+# machine without a package index, with .whl/ filled by `make gpu-wheels` in the repository (any working directory):
 #
 #   OUT=/tmp/kvbench-gpu bash scripts/gpu_check.sh                     # OUT defaults to /tmp/kvbench-gpu-check
 #   GPU_CHECK_STAGES="decode long-context" bash scripts/gpu_check.sh   # only these (setup and report always run)
@@ -22,10 +22,11 @@
 # at every start; the stored ceilings, kept). $OUT gets six files, none in a folder: gpu_check.log (everything
 # printed), summary.md (the machine, the stages, the key rows, and last one PASS/FAIL/N/A line per target),
 # rows.parquet (every row of every stage, a `stage` column added), ops.parquet (the profiler's top ops),
-# ceilings.json and tests.xml (pytest's JUnit report).
-# GPU_CHECK_DRY=1: every stage at tiny sizes on the CPU (model=tiny, a few tokens, one or two repeats; the gpu tests
-# skip themselves, a few kernel tests run in Triton's interpreter, reduce-overhead is an `unsupported` row), with
-# .venv/bin/python when there is one. PYTHON=... picks the interpreter either way.
+# ceilings.json and tests.xml (pytest's JUnit report). Should the report itself fail, every stage's raw rows come
+# back as stages.tar.gz beside a summary.md that says so.
+# GPU_CHECK_DRY=1: every stage at tiny sizes on the CPU (model=tiny, a few tokens, one repeat, in the sweep's own
+# process; the gpu tests skip themselves, a few kernel tests run in Triton's interpreter, reduce-overhead is an
+# `unsupported` row), with .venv/bin/python when there is one. PYTHON=... picks the interpreter either way.
 # Exit status: 0 when every stage exited 0. The verdicts are findings about the targets, not the exit status.
 set -uo pipefail
 
@@ -146,6 +147,7 @@ EOF'
 # not collected) and the kernel's tests. On the GPU: 4 xdist workers when pytest-xdist is installed. Dry: the gpu
 # tests are collected and skip themselves; of the kernel's tests, a few (Triton's interpreter takes ~40 s for all).
 TESTS='set -e
+export TORCHINDUCTOR_COMPILE_THREADS=4 # per xdist worker: 4 x 4 compile processes on the 16 cores, not 4 x 16
 mapfile -t files < <(grep -l "mark.gpu" tests/test_*.py)
 mapfile -t ids < <("$PY" -m pytest --collect-only -q -p no:cacheprovider -m gpu "${files[@]}" | grep "::")
 [ "${#ids[@]}" -gt 0 ] || { echo "no gpu-marked tests collected from ${files[*]}"; exit 1; }
@@ -159,7 +161,7 @@ fi
 
 echo "=== kvbench GPU check$([ -n "$DRY" ] && echo ' (dry run on the CPU)'): stages: $STAGES"
 echo "=== python $PY; OUT $OUT; work $WORK; deadline ${DEADLINE_S} s"
-stage setup 30 60 bash -c "$SETUP"
+stage setup 25 60 bash -c "$SETUP"
 if selected ceilings; then
   stage ceilings 30 60 "$PY" -m experiments.ceilings "device=$DEVICE" "results_dir=$STORE" "quick=$QUICK"
 fi
@@ -177,7 +179,7 @@ if selected compile; then
 fi
 if selected crossover; then
   sweep_command crossover gpu-check-crossover "${CROSS[@]}"
-  stage crossover 45 60 "${cmd[@]}"
+  stage crossover 50 60 "${cmd[@]}"
 fi
 if selected tests; then
   stage tests 120 90 bash -c "$TESTS"
