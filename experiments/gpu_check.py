@@ -35,7 +35,7 @@ from omegaconf import OmegaConf
 
 import experiments.decode  # noqa: F401  (registers the run_config schema that conf/config.yaml extends)
 from experiments.callbacks import sweep_jobs
-from harness import capacity, crossover, results, roofline, sweep
+from harness import capacity, crossover, kv, results, roofline, sweep
 from harness.bench import is_lossy
 from harness.config import RunConfig
 from harness.spec import spec_for
@@ -109,12 +109,12 @@ def step_seconds(cost: roofline.StepCost, *, gpu: Gpu, dtype: str, n_layers: int
 def generation_seconds(cfg: RunConfig, *, gpu: Gpu) -> float:
     """One whole generation of the point: its prefill, then its gen_len - 1 decode steps (harness.decode)."""
     args = cfg.model_args()
-    options = cfg.cache_options
+    options = kv.parse_options(cfg.cache["name"], cfg.cache_options)
     shape = dict(
         dtype=cfg.dtype,
         kv_dtype=cfg.kv_dtype_name,
         cache=cfg.cache["name"],
-        window=options.get("window") if cfg.cache["name"] == "sliding" else None,
+        window=getattr(options, "window", None),  # a strategy with a window says so (harness.bench does the same)
         kv_group_size=cfg.kv_group_size,
     )
     costs = [roofline.prefill_cost(args, batch_size=cfg.batch_size, prompt_len=cfg.prompt_len, **shape)]
@@ -130,7 +130,8 @@ def point_seconds(cfg: RunConfig, *, gpu: Gpu) -> float:
 
     warm-up generations, then at least min_repeats and at most max_repeats, the budget max_time_s checked after
     each one past min_repeats (so one generation may overrun it); the accuracy pass of a lossy point; the profiler
-    pass (one generation at most, and its start); the compilation of a compiled step; the model build.
+    pass (one generation at most, and its start); the compilation of a compiled step; the model build. Not
+    counted: prefix caching's extra generations that measure a miss (no GPU preset uses it).
     """
     generation = generation_seconds(cfg, gpu=gpu)
     measured = min(cfg.max_repeats * generation, max(cfg.min_repeats * generation, cfg.max_time_s + generation))
@@ -421,7 +422,8 @@ def nvml_verdict(rows: pd.DataFrame) -> Verdict:
         )
     lacking = cuda[~read]
     named = "; ".join(
-        f"{row.get(STAGE_COLUMN, '') or ''} {row['cache']} {row['kv_dtype']} batch {row['batch_size']}".strip()
+        " ".join(str(row[name]) for name in (STAGE_COLUMN, "cache", "kv_dtype") if isinstance(row.get(name), str))
+        + f" batch {row['batch_size']}"
         for _, row in lacking.head(3).iterrows()
     )
     return Verdict(
@@ -462,8 +464,12 @@ def stage_dirs(work: Path) -> list[Path]:
 
 
 def merge_rows(work: Path) -> pd.DataFrame:
-    """Every row of every stage (harness.results.load of each stage's folder), with the stage's name beside it."""
-    frames = [results.load(folder).assign(**{STAGE_COLUMN: folder.name}) for folder in stage_dirs(work)]
+    """Every row of every stage (harness.results.load of each stage's folder), with the stage's name beside it: the
+    stages in the order they ran, each stage's rows in the order they were measured."""
+    frames = [
+        results.load(folder).sort_values("started_at", kind="stable").assign(**{STAGE_COLUMN: folder.name})
+        for folder in stage_dirs(work)
+    ]
     frames = [frame for frame in frames if not frame.empty]
     if not frames:
         return results.load(work / "stages").assign(**{STAGE_COLUMN: pd.Series(dtype="string")})

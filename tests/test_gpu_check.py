@@ -198,8 +198,11 @@ def test_nvml_read_in_every_timed_window_passes():
     assert verdict.status == "PASS" and "at least 50 samples" in verdict.text and "1755 MHz" in verdict.text
 
 
-def test_nvml_fails_for_a_row_without_samples_or_energy():
-    assert nvml_verdict(frame(nvml(), nvml(samples=0))).status == "FAIL"
+def test_nvml_fails_for_a_row_without_samples_or_energy_and_names_it():
+    verdict = nvml_verdict(frame(nvml(), nvml(samples=0) | {"stage": "crossover", "batch_size": 512}))
+    assert (
+        verdict.status == "FAIL" and "1 of 2" in verdict.text and "crossover contiguous bf16 batch 512" in verdict.text
+    )
     assert nvml_verdict(frame(nvml(), nvml(energy=None))).status == "FAIL"
 
 
@@ -229,6 +232,7 @@ def test_the_script_has_a_limit_for_every_stage():
 def test_the_limits_leave_a_rerun_inside_the_window():
     # A 15-minute window: the machine's start (1-2 min), the whole run, and time to rerun a failed stage alone.
     limits = stage_limits(SCRIPT.read_text())
+    assert len(limits) == len(STAGE_PRESETS) + len(STAGE_ESTIMATES_S)
     assert sum(limits.values()) <= 7.6 * 60
     assert sum(limits.values()) + 5 * len(limits) <= 9 * 60  # every stage run out, each killed 5 s after its limit
 
