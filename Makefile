@@ -20,7 +20,7 @@ ADDRESS ?= 127.0.0.1
 PORT ?= 8501
 
 .PHONY: help setup run test test-cuda-trace lint docs ceilings dashboard screenshot bench-dashboard bench bench-sweep \
-	clean-results
+	clean-results gpu-wheels
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-16s %s\n", $$1, $$2}'
@@ -82,3 +82,20 @@ bench: setup ## Our decode loop against transformers' generate(): same weights, 
 
 bench-sweep: setup ## How a sweep's wall time grows with its points, with warm workers and with a fresh process each
 	$(BIN)/python -m experiments.sweep_cost $(ARGS)
+
+# What scripts/gpu_check.sh needs and the GPU image lacks, as wheels for its Python 3.12 on x86-64 Linux, pinned to
+# the versions this .venv runs (.whl/pins.txt, from pip freeze). hydra-core and omegaconf are pure-Python wheels, which
+# match any platform; antlr4-python3-runtime 4.9.3 (omegaconf's parser runtime) is published only as an sdist, so its
+# wheel is built here. PyYAML and packaging, their other needs, are on the GPU image.
+GPU_WHEELS := hydra-core|omegaconf|antlr4-python3-runtime
+GPU_WHEEL_TARGET := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+	--platform manylinux_2_17_x86_64
+
+gpu-wheels: setup ## Fill .whl/ with the py3.12 wheels the GPU image lacks (hydra-core, omegaconf, antlr4)
+	rm -rf .whl && mkdir -p .whl
+	$(BIN)/pip freeze | grep -iE '^($(GPU_WHEELS))==' > .whl/pins.txt
+	@[ $$(wc -l < .whl/pins.txt) -eq 3 ] || { echo "gpu-wheels: .venv lacks one of $(GPU_WHEELS)"; exit 1; }
+	$(BIN)/pip download --quiet --no-deps --only-binary=:all: $(GPU_WHEEL_TARGET) -d .whl \
+		$$(grep -iv '^antlr4' .whl/pins.txt)
+	$(BIN)/pip wheel --quiet --no-deps -w .whl $$(grep -i '^antlr4' .whl/pins.txt)
+	@ls -l .whl/*.whl && du -ch .whl/*.whl | tail -1

@@ -1,69 +1,214 @@
 #!/usr/bin/env bash
-# kvbench's GPU check: one command, at most 8 minutes on one H200 (its stages' limits add up to 7.6). From the
-# repository root:
+# kvbench's GPU check: one command, at most 9 minutes on one H200 (the stages' limits add up to 7.6), runnable on a
+# machine without a package index, with .whl/ filled by `make gpu-wheels` in the repository (any working directory):
 #
-#   OUT=/tmp/kvbench-gpu bash scripts/gpu_check.sh        # OUT defaults to ./gpu-check
+#   OUT=/tmp/kvbench-gpu bash scripts/gpu_check.sh                     # OUT defaults to /tmp/kvbench-gpu-check
+#   GPU_CHECK_STAGES="decode long-context" bash scripts/gpu_check.sh   # only these (setup and report always run)
+#   GPU_CHECK_DRY=1 bash scripts/gpu_check.sh                          # the same stages on the CPU, tiny sizes
 #
-# What it does, each stage under its own time limit (a stage that fails or runs out is reported, the rest go on):
-#   1. set-up: hydra-core, omegaconf and antlr4 from wheels in .whl/ when that folder exists (a machine without a
-#      package index; fill it elsewhere with `pip download hydra-core omegaconf antlr4-python3-runtime==4.9.3 -d .whl`),
-#      then this repository, editable, without dependencies (torch, pandas, pyarrow, nvidia-ml-py, transformers and
-#      triton are expected to be there already);
-#   2. the CUDA tests: every test marked `gpu`, and the paged-decode kernel's tests, compiled for this GPU;
-#   3. this device's ceilings (copy bandwidth, matmul peaks), stored under $OUT/ceilings/;
-#   4. Llama-3.1-8B decode at batch 1, 8 and 64 (512-token prompts): contiguous and paged x bf16 and fp8_e4m3 KV;
-#   5. the long-context check: batch 8 at 8192-token prompts, the same four caches, accuracy of fp8 included;
-#   6. the crossover: experiment=crossover-gpu at 32-token prompts, batch 1..512;
-#   7. a summary of every row under $OUT (python -m harness.results show), printed last.
-# Every point writes its parquet under $OUT/<stage>/<sweep_id>/ as it completes, whatever happens to later ones.
+# Each stage runs under its own time limit (`timeout`); a stage that fails or runs out is reported and the rest go
+# on. `python -m experiments.gpu_check plan` prints every stage's limit beside its predicted time (the roofline
+# of harness/roofline.py at half the H200's datasheet peaks, plus each point's fixed costs; see that module).
+#   setup         the wheels of .whl/ (hydra-core, omegaconf, antlr4: the GPU image lacks them) into a folder on
+#                 PYTHONPATH, and this repository on PYTHONPATH; then one python checks that torch sees the GPU
+#   ceilings      this device's copy bandwidth and matmul peaks (python -m experiments.ceilings), stored once
+#   decode        experiment=gpu-check-decode: Llama-3.1-8B, batch 1, 512-token prompts, contiguous/paged x bf16/fp8 KV
+#   long-context  experiment=gpu-check-long-context: the same four caches at batch 8 x 8192 tokens, fp8 accuracy too
+#   compile       experiment=gpu-check-compile: `small` eager (profiled) and compile=reduce-overhead (CUDA graphs)
+#   crossover     experiment=gpu-check-crossover: Llama-3.1-8B at 32-token prompts, batch 1..512
+#   tests         every `gpu`-marked test and the Triton kernel's tests, compiled for this GPU (pytest-xdist if there)
+#   report        python -m experiments.gpu_check report: the merged rows, summary.md and its verdict lines
+# Stages write only into GPU_CHECK_WORK (default /tmp/kvbench-gpu-work: each stage's rows and Hydra logs, cleared
+# at every start; the stored ceilings, kept). $OUT gets six files, none in a folder: gpu_check.log (everything
+# printed), summary.md (the machine, the stages, the key rows, and last one PASS/FAIL/N/A line per target),
+# rows.parquet (every row of every stage, a `stage` column added), ops.parquet (the profiler's top ops),
+# ceilings.json and tests.xml (pytest's JUnit report). Should the report itself fail, every stage's raw rows come
+# back as stages.tar.gz beside a summary.md that says so.
+# GPU_CHECK_DRY=1: every stage at tiny sizes on the CPU (model=tiny, a few tokens, one repeat, in the sweep's own
+# process; the gpu tests skip themselves, a few kernel tests run in Triton's interpreter, reduce-overhead is an
+# `unsupported` row), with .venv/bin/python when there is one. PYTHON=... picks the interpreter either way.
+# Exit status: 0 when every stage exited 0. The verdicts are findings about the targets, not the exit status.
 set -uo pipefail
 
-OUT=${OUT:-$PWD/gpu-check}
-PY=${PYTHON:-python}
-mkdir -p "$OUT"
+DRY=${GPU_CHECK_DRY:-}
+[ "$DRY" = 0 ] && DRY=
+OUT=$(realpath -m "${OUT:-/tmp/kvbench-gpu-check}")
+WORK=$(realpath -m "${GPU_CHECK_WORK:-/tmp/kvbench-gpu-work}")
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1 # the repository root: conf/, tests/, .whl/
+ALL_STAGES="ceilings decode long-context compile crossover tests"
+STAGES=${GPU_CHECK_STAGES:-$ALL_STAGES}
+if [ -n "${PYTHON:-}" ]; then
+  PY=$PYTHON
+elif [ -n "$DRY" ] && [ -x .venv/bin/python ]; then
+  PY=.venv/bin/python
+else
+  PY=python3
+fi
+for name in $STAGES; do
+  if [[ " $ALL_STAGES " != *" $name "* ]]; then
+    echo "gpu_check: bad GPU_CHECK_STAGES: unknown stage '$name'; allowed: $ALL_STAGES" >&2
+    exit 2
+  fi
+done
+# The measuring stages read the stored ceilings (bw_util needs them): measured first, or loaded when stored.
+if [[ " $STAGES " =~ \ (decode|long-context|compile|crossover)\  ]] && [[ " $STAGES " != *" ceilings "* ]]; then
+  STAGES="ceilings $STAGES"
+fi
+
+mkdir -p "$OUT" "$WORK" || exit 1
+# This script's own files only: $OUT may hold anything else (it is emptied before each command on the device).
+rm -f "$OUT"/{rows.parquet,ops.parquet,ceilings.json,summary.md,tests.xml,stages.tar.gz}
+rm -rf "${WORK:?}/stages" "$WORK/site" "$WORK/stages.tsv" "$WORK/tests.xml"
+mkdir -p "$WORK/stages" "$WORK/store"
+: >"$OUT/gpu_check.log"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+tee_pid=$!
+export PYTHONUNBUFFERED=1
+
+if [ -n "$DRY" ]; then
+  DEVICE=cpu QUICK=true LONG_CONTEXT_TOKENS=64 DEADLINE_S=${GPU_CHECK_DEADLINE_S:-300}
+  # Tiny points on the CPU: what the stages' presets run, minus the sizes (later overrides win over a preset's), and
+  # measured in the sweep's own process: a spawned worker costs each sweep ~10 s here, a third of the dry run, and
+  # the workers have tests of their own (tests/test_sweep.py, tests/test_faults.py).
+  POINT=(model=tiny device=cpu warmup=1 min_repeats=1 max_repeats=1 max_time_s=1 gen_len=3 isolate=false)
+  # One thread: a tiny model's ops are far too small to share, and threads that wait on each other on a busy 2-core
+  # machine made a tiny bf16 step take 5 to 170 ms here (1 thread: 3 to 6 ms).
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  DECODE=(prompt_len=32) LONG=(batch_size=2 "prompt_len=$LONG_CONTEXT_TOKENS") CROSS=(batch_size=1,2,4 prompt_len=8)
+else
+  DEVICE=cuda QUICK=false LONG_CONTEXT_TOKENS=8192 DEADLINE_S=${GPU_CHECK_DEADLINE_S:-540}
+  POINT=() DECODE=() LONG=() CROSS=()
+fi
+SITE=$WORK/site STORE=$WORK/store
+export PY SITE DRY WORK
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+REPORT_LIMIT=$([ -n "$DRY" ] && echo 60 || echo 20)  # the report stage's limits, below: kept in reserve
 failures=()
 started=$SECONDS
+printf 'stage\tlimit_s\texit\tseconds\n' >"$WORK/stages.tsv"
 
-# stage NAME SECONDS COMMAND...: runs COMMAND under a time limit, reports its exit status and duration.
+# stage NAME GPU_LIMIT DRY_LIMIT COMMAND...: COMMAND under a time limit (seconds), its exit status and duration
+# reported and appended to stages.tsv; exit 124 means it ran out of time. The limit shrinks so that the whole run
+# ends within DEADLINE_S, the report's own limit kept in reserve; a stage with under 5 s left is skipped.
 stage() {
   local name=$1 limit=$2
-  shift 2
+  [ -n "$DRY" ] && limit=$3
+  shift 3
+  local reserve=$REPORT_LIMIT
+  [ "$name" = report ] && reserve=0
+  local left=$((DEADLINE_S - (SECONDS - started) - reserve))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 5 ]; then
+    echo "=== $name: skipped, ${left} s left of the ${DEADLINE_S} s deadline"
+    printf '%s\t%s\t%s\t%s\n' "$name" "$limit" skipped 0 >>"$WORK/stages.tsv"
+    failures+=("$name (skipped)")
+    return
+  fi
   local t0=$SECONDS
-  echo "=== $name (limit ${limit} s)"
-  timeout --kill-after=10 "$limit" "$@"
+  echo "=== $name (limit ${limit} s) $(date -u +%H:%M:%S)"
+  timeout --kill-after=5 "$limit" "$@"
   local rc=$?
-  echo "=== $name: exit $rc after $((SECONDS - t0)) s"
+  echo "=== $name: exit $rc after $((SECONDS - t0)) s$([ "$rc" -eq 124 ] && echo ': out of time')"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$limit" "$rc" "$((SECONDS - t0))" >>"$WORK/stages.tsv"
   if [ "$rc" -ne 0 ]; then failures+=("$name (exit $rc)"); fi
 }
 
-setup() {
-  if [ -d .whl ]; then
-    "$PY" -m pip install --quiet --no-index --find-links .whl hydra-core omegaconf antlr4-python3-runtime || return 1
-  fi
-  # --no-build-isolation: setuptools from this environment, so that nothing is fetched for the build either.
-  "$PY" -m pip install --quiet --no-deps --no-build-isolation -e . || return 1
-  "$PY" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'; \
-print(torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+selected() { [[ " $STAGES " == *" $1 "* ]]; }
+
+# The command of one stage's sweep, in `cmd`: its preset, its own results folder, the stored ceilings, and in a dry
+# run the tiny sizes.
+sweep_command() {
+  local name=$1 preset=$2
+  shift 2
+  cmd=("$PY" -m experiments.decode "experiment=$preset" "results_dir=$WORK/stages/$name" "ceilings_dir=$STORE"
+    "ceilings_quick=$QUICK" "${POINT[@]}" "$@")
 }
 
-# Decode points: no profiler pass (its own figures, not this check's), few repeats, ceilings shared through $OUT.
-COMMON=(device=cuda dtype=bf16 warmup=1 max_time_s=10 profile=false "ceilings_dir=$OUT")
+SETUP='set -e
+"$PY" -c "import hydra" 2>/dev/null || compgen -G ".whl/*.whl" >/dev/null ||
+  echo "no hydra-core here and no .whl/: run make gpu-wheels where pip works, and bring .whl/ along"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+fi
+[ -n "$DRY" ] || nvidia-smi
+"$PY" - <<"EOF"
+import os, sys
+import hydra, omegaconf, torch
+import experiments.decode, harness
+print("python", sys.version.split()[0], sys.executable, "| torch", torch.__version__, "| hydra-core",
+      hydra.__version__, "| omegaconf", omegaconf.__version__, "| kvbench from", os.path.dirname(harness.__file__))
+if not os.environ.get("DRY"):
+    assert torch.cuda.is_available(), "torch sees no CUDA device"
+    import triton
+    print(torch.cuda.get_device_name(), "| triton", triton.__version__, "| CUDA", torch.version.cuda)
+EOF'
 
-echo "=== setup"
-setup || failures+=("setup")
-# The test files that hold `gpu` tests (a file importing a package this machine lacks is never collected).
-mapfile -t gpu_tests < <(grep -l "mark.gpu" tests/test_*.py)
-stage tests 100 "$PY" -m pytest -q -p no:cacheprovider -m gpu "${gpu_tests[@]}"
-stage kernel-tests 50 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_paged.py
-stage ceilings 45 "$PY" -m experiments.ceilings device=cuda "results_dir=$OUT"
-stage decode 100 "$PY" -m experiments.decode -m model=llama-3.1-8b cache=contiguous,paged kv_dtype=auto,fp8_e4m3 \
-  batch_size=1,8,64 prompt_len=512 gen_len=32 min_repeats=2 max_repeats=3 accuracy=false "${COMMON[@]}" \
-  "results_dir=$OUT/decode"
-stage long-context 70 "$PY" -m experiments.decode -m model=llama-3.1-8b cache=contiguous,paged \
-  kv_dtype=auto,fp8_e4m3 batch_size=8 prompt_len=8192 gen_len=32 min_repeats=2 max_repeats=2 "${COMMON[@]}" \
-  "results_dir=$OUT/long-context"
-stage crossover 90 "$PY" -m experiments.decode experiment=crossover-gpu prompt_len=32 gen_len=8 min_repeats=2 \
-  max_repeats=3 "${COMMON[@]}" "results_dir=$OUT/crossover"
+# The gpu-marked tests (collected from every file that marks some: a file importing a package this machine lacks is
+# not collected) and the kernel's tests. On the GPU: 4 xdist workers when pytest-xdist is installed. Dry: the gpu
+# tests are collected and skip themselves; of the kernel's tests, a few (Triton's interpreter takes ~40 s for all).
+TESTS='set -e
+export TORCHINDUCTOR_COMPILE_THREADS=4 # per xdist worker: 4 x 4 compile processes on the 16 cores, not 4 x 16
+mapfile -t files < <(grep -l "mark.gpu" tests/test_*.py)
+mapfile -t ids < <("$PY" -m pytest --collect-only -q -p no:cacheprovider -m gpu "${files[@]}" | grep "::")
+[ "${#ids[@]}" -gt 0 ] || { echo "no gpu-marked tests collected from ${files[*]}"; exit 1; }
+options=(-q -p no:cacheprovider -rfEs --junitxml="$WORK/tests.xml")
+if [ -n "$DRY" ]; then
+  options+=(-k "gpu or contiguous_buffer or split_count")
+elif "$PY" -c "import xdist" 2>/dev/null; then
+  options+=(-n 4)
+fi
+"$PY" -m pytest "${options[@]}" "${ids[@]}" tests/test_triton_paged.py'
+
+echo "=== kvbench GPU check$([ -n "$DRY" ] && echo ' (dry run on the CPU)'): stages: $STAGES"
+echo "=== python $PY; OUT $OUT; work $WORK; deadline ${DEADLINE_S} s"
+stage setup 25 60 bash -c "$SETUP"
+if selected ceilings; then
+  stage ceilings 30 60 "$PY" -m experiments.ceilings "device=$DEVICE" "results_dir=$STORE" "quick=$QUICK"
+fi
+if selected decode; then
+  sweep_command decode gpu-check-decode "${DECODE[@]}"
+  stage decode 55 60 "${cmd[@]}"
+fi
+if selected long-context; then
+  sweep_command long-context gpu-check-long-context "${LONG[@]}"
+  stage long-context 80 60 "${cmd[@]}"
+fi
+if selected compile; then
+  sweep_command compile gpu-check-compile
+  stage compile 75 60 "${cmd[@]}"
+fi
+if selected crossover; then
+  sweep_command crossover gpu-check-crossover "${CROSS[@]}"
+  stage crossover 50 60 "${cmd[@]}"
+fi
+if selected tests; then
+  stage tests 120 90 bash -c "$TESTS"
+fi
+stage report 20 60 "$PY" -m experiments.gpu_check report --work "$WORK" --out "$OUT" \
+  --long-context-tokens "$LONG_CONTEXT_TOKENS" ${DRY:+--dry}
+[ -f "$WORK/tests.xml" ] && cp "$WORK/tests.xml" "$OUT/tests.xml"
+if [ ! -f "$OUT/summary.md" ]; then
+  # The report itself failed: bring back every stage's raw rows in one file, and say so where the verdicts go.
+  tar -czf "$OUT/stages.tar.gz" -C "$WORK" stages stages.tsv
+  {
+    echo "# kvbench GPU check: the report stage failed (see gpu_check.log); every row is in stages.tar.gz"
+    echo
+    echo '```'
+    column -t -s $'\t' "$WORK/stages.tsv" 2>/dev/null || cat "$WORK/stages.tsv"
+    echo '```'
+    echo
+    echo "## Verdicts"
+    echo
+    for target in bandwidth paged-overhead fp8-long-context reduce-overhead energy-clocks; do
+      echo "N/A   $target: the report stage failed"
+    done
+  } >"$OUT/summary.md"
+fi
 
 echo "=== total $((SECONDS - started)) s; failed stages: ${failures[*]:-none}"
-"$PY" -m harness.results show "$OUT"
+echo "=== $OUT: $(find "$OUT" -type f | wc -l) files:" $(cd "$OUT" && find . -type f -printf '%P (%s B)\n' | sort)
+# The merged rows and the verdicts, last: the run tool's output tail shows them whatever else scrolled past.
+[ -f "$OUT/summary.md" ] && sed -n '/^## Verdicts/,$p' "$OUT/summary.md"
+exec >&- 2>&-
+wait "$tee_pid"
+[ "${#failures[@]}" -eq 0 ]
