@@ -219,6 +219,13 @@ def spec_for(args: ModelArgs, kv_dtype: str, prefix_len: int) -> CacheSpec:
     )
 
 
+def planned_kv_bytes(args: ModelArgs, cache_name: str, kv_dtype: str, **lengths: int) -> int:
+    """harness.capacity's figure for this cache at these lengths (batch_size, prompt_len, gen_len, prefix_len)."""
+    return capacity.kv_bytes_allocated(
+        args, cache=cache_name, kv_dtype=kv_dtype, dtype=DTYPE, **OPTIONS.get(cache_name, {}), **lengths
+    )
+
+
 def host_prompt(args: ModelArgs, prefix_len: int) -> torch.Tensor:
     """[B, P] real ids on the host (made before fake mode starts), the first prefix_len shared."""
     prompt = torch.randint(args.vocab_size, (BATCH, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
@@ -268,18 +275,9 @@ def test_a_generation_traces_on_fake_cuda_at_llama_3_1_8b_shapes(fake_cuda, cach
         if mode != "none":
             assert len(graphs) == 1, f"{len(graphs)} graphs: a decode step recompiled"
             assert graphs[0].mutated_not_static == [], "CUDA graph trees would skip this graph"
-        planned = capacity.kv_bytes_allocated(
-            args,
-            cache=cache_name,
-            kv_dtype=kv_dtype,
-            batch_size=BATCH,
-            prompt_len=PROMPT_LEN,
-            gen_len=GEN_LEN,
-            prefix_len=prefix_len,
-            dtype=DTYPE,
-            **OPTIONS.get(cache_name, {}),
+        assert cache.kv_bytes_allocated() == planned_kv_bytes(
+            args, cache_name, kv_dtype, batch_size=BATCH, prompt_len=PROMPT_LEN, gen_len=GEN_LEN, prefix_len=prefix_len
         )
-        assert cache.kv_bytes_allocated() == planned
 
 
 def test_the_matrix_covers_every_strategy_and_format_and_skips_only_what_is_unsupported():
@@ -331,16 +329,14 @@ def test_every_cache_allocates_what_the_planner_says_at_llama_3_1_8b_scale(fake_
         out = cache.attend(0, q, k, k, 0)
         assert out.shape == q.shape and out.device.type == "cuda"
         allocated = cache.kv_bytes_allocated()
-    planned = capacity.kv_bytes_allocated(
+    planned = planned_kv_bytes(
         args,
-        cache=cache_name,
-        kv_dtype=kv_dtype,
+        cache_name,
+        kv_dtype,
         batch_size=batch,
         prompt_len=ALLOCATION["prompt_len"],
         gen_len=ALLOCATION["gen_len"],
         prefix_len=prefix_len,
-        dtype=DTYPE,
-        **OPTIONS.get(cache_name, {}),
     )
     assert allocated == planned
     if cache_name == "contiguous" and kv_dtype == DTYPE:  # the seed notes' formula: 2 x L x S x H_kv x D x bytes x B

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
-from harness.kv.base import CacheSpec, Unsupported, attention, blocks_for
+from harness.kv.base import CacheSpec, Unsupported, attention, blocks_for, grouped_attention
 from harness.kv.quant import FP8, storage_format
 
 
@@ -128,14 +127,7 @@ class ContiguousCache:
             lens = (pos + 1).to(torch.int32).expand(q.shape[0]).contiguous()  # [B]
             return self._decode_in_place(layer, q, lens, max_len=self.spec.max_tokens, n_splits=self._static_splits)
         k_all, v_all = self._gather(layer, self.spec.max_tokens, q.dtype)  # [B, H_kv, S_max, D]: the whole buffer
-        batch, n_heads, _, head_dim = q.shape
-        n_kv_heads = k_all.shape[1]
-        visible = (self._positions <= pos).view(1, 1, 1, -1)  # [1, 1, 1, S_max]: the filled part, this token included
-        # GQA as in harness.kv.base.attention: a group's query heads fold into the query axis, [B, H_kv, G, D].
-        out = F.scaled_dot_product_attention(
-            q.view(batch, n_kv_heads, n_heads // n_kv_heads, head_dim), k_all, v_all, attn_mask=visible
-        )
-        return out.view(batch, n_heads, 1, head_dim)
+        return grouped_attention(q, k_all, v_all, mask=(self._positions <= pos)[None, :])  # [1, S_max]: the filled part
 
     def _decode_in_place(
         self, layer: int, q: torch.Tensor, lens: torch.Tensor, *, max_len: int, n_splits: int | None = None

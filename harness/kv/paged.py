@@ -30,10 +30,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from harness.kv import host
-from harness.kv.base import CacheSpec, KVPoolExhausted, Unsupported, attention, blocks_for
+from harness.kv.base import CacheSpec, KVPoolExhausted, Unsupported, attention, blocks_for, grouped_attention
 from harness.kv.quant import FP8, storage_format
 
 log = logging.getLogger(__name__)
@@ -208,20 +207,13 @@ class PagedCache:
         """One token at position pos [1] (a device tensor): the same shapes at every step, whatever the position."""
         assert q.shape[2] == 1 and self._positions is not None, "static shapes: one token, after enable_static_decode"
         self._write(layer, k, v, pos)
-        batch, n_heads, _, head_dim = q.shape
         if self.attn_backend == "triton-paged":  # the kernel reads only the filled positions: their count on the device
-            lens = (pos + 1).to(torch.int32).expand(batch).contiguous()  # [B]
+            lens = (pos + 1).to(torch.int32).expand(q.shape[0]).contiguous()  # [B]
             out = self._decode_in_place(layer, q, lens, max_len=self.spec.max_tokens, n_splits=self._static_splits)
             return out.unsqueeze(2)
         # Every block the table can hold, in table order, under a length mask: [B, H_kv, max_blocks * bs, D].
         k_all, v_all = self._gather(layer, self._positions.shape[0], q.dtype)
-        visible = (self._positions <= pos).view(1, 1, 1, -1)  # the filled part, this token included
-        n_kv_heads = k_all.shape[1]
-        # GQA as in harness.kv.base.attention: a group's query heads fold into the query axis, [B, H_kv, G, D].
-        out = F.scaled_dot_product_attention(
-            q.view(batch, n_kv_heads, n_heads // n_kv_heads, head_dim), k_all, v_all, attn_mask=visible
-        )
-        return out.view(batch, n_heads, 1, head_dim)
+        return grouped_attention(q, k_all, v_all, mask=(self._positions <= pos)[None, :])  # the filled part
 
     def _decode_in_place(
         self, layer: int, q: torch.Tensor, lens: torch.Tensor, *, max_len: int, n_splits: int | None = None
