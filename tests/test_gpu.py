@@ -170,28 +170,35 @@ def test_the_paged_and_contiguous_kernels_generate_the_eager_gather_tokens_in_fp
     assert torch.equal(outputs["contiguous"], outputs["paged"]) and torch.equal(outputs["paged"], outputs["prefix"])
 
 
-@pytest.mark.parametrize(("mode", "kv_dtype"), [("default", "fp32"), ("reduce-overhead", "fp8_e4m3")])
-def test_a_compiled_decode_on_cuda_generates_the_eager_tokens(tiny_args, mode, kv_dtype):
-    from harness.decode import compile_decode_step
+@pytest.mark.parametrize(
+    ("cache_name", "mode", "kv_dtype", "backend"),
+    [("contiguous", "default", "fp32", "sdpa-masked"), ("contiguous", "reduce-overhead", "fp8_e4m3", "triton-dequant"),
+     ("paged", "reduce-overhead", "fp32", "triton-paged"), ("paged", "reduce-overhead", "int8", "triton-paged")],
+)  # fmt: skip
+def test_a_compiled_decode_on_cuda_generates_the_eager_tokens(tiny_args, cache_name, mode, kv_dtype, backend):
+    from harness.decode import compile_decode_step, cudagraph_skips
 
     model = build_model(tiny_args, weights="dummy", dtype=torch.float32, device=CUDA, seed=0, n_positions=64)
     prompt = torch.randint(tiny_args.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0)).to(CUDA)
     spec = CacheSpec.for_model(tiny_args, batch_size=2, max_tokens=20 + 12, kv_dtype=kv_dtype, device=CUDA)
-    eager, _ = generate(model, kv.build("contiguous", spec, {}), prompt, 12, StepTimer(CUDA, n_marks=12))
-    cache = kv.build("contiguous", spec, {})
+    eager, _ = generate(model, kv.build(cache_name, spec, {}), prompt, 12, StepTimer(CUDA, n_marks=12))
+    cache = kv.build(cache_name, spec, {})
     step = compile_decode_step(model, cache, mode=mode)
+    skips = cudagraph_skips()
     for _ in range(2):  # the first generation compiles (and records the graph), the second replays it
         compiled, sample = generate(model, cache, prompt, 12, StepTimer(CUDA, n_marks=12), step=step)
         cache.release()
+        # Same codes read by the same kernel or the same masked SDPA as the eager static step would: tokens agree.
         assert torch.equal(compiled, eager)
-    assert cache.attn_backend == ("triton-dequant" if kv_dtype == "fp8_e4m3" else "sdpa-masked")
+    assert cache.attn_backend == backend
+    assert cudagraph_skips() == skips, "inductor skipped CUDA graphs for this step"
 
 
-def test_a_reduce_overhead_point_on_cuda_is_ok_and_faster_per_token_than_eager():
+def test_a_reduce_overhead_point_on_cuda_captures_its_graphs():
+    """Whether graphs make a step faster is a benchmark's question (scripts/gpu_check.sh); here: were they captured."""
     point = dict(model={"name": "tiny"}, device="cuda", dtype="bf16", prompt_len=64, gen_len=32, warmup=1,
                  min_repeats=3, max_repeats=3, profile=False, roofline=False, isolate=False)  # fmt: skip
-    eager = run_point(RunConfig(**point))
     graphs = run_point(RunConfig(**point, compile="reduce-overhead"))
     assert graphs["status"] == "ok", graphs.get("error")
     assert graphs["compile"] == "reduce-overhead" and graphs["attn_backend"] == "sdpa-masked"
-    assert graphs["tpot_ms"] < eager["tpot_ms"]  # a tiny model's step is launch-bound: graphs remove the launches
+    assert graphs["cudagraph_skips"] == 0
