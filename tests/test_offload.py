@@ -10,6 +10,7 @@ from harness.decode import generate
 from harness.kv.base import CacheSpec, Unsupported
 from harness.kv.offload import OffloadCache, Options, SyncTransfers
 from harness.timing import StepTimer
+from tests.greedy import LOGIT_TOL, assert_same_greedy_tokens, greedy_with_logits
 
 CPU = torch.device("cpu")
 
@@ -31,8 +32,10 @@ def test_offloaded_decoding_matches_contiguous(tiny_model, tiny_args):
     prompt = torch.randint(tiny_args.vocab_size, (2, 13), generator=torch.Generator().manual_seed(5))
     spec = spec_for(tiny_args, batch_size=2, max_tokens=13 + 9)
     offloaded = run(tiny_model, OffloadCache(spec, Options(), transfers=SyncTransfers()), prompt, 9)
-    contiguous = run(tiny_model, kv.build("contiguous", spec, {}), prompt, 9)
-    assert torch.equal(offloaded, contiguous)
+    contiguous, logits = greedy_with_logits(tiny_model, kv.build("contiguous", spec, {}), prompt, 9)
+    # Offload attends over token-major views (another row stride into SDPA's GEMMs; on CUDA, maybe another SDPA
+    # kernel): the same tokens up to a near-tie (tests/greedy.py).
+    assert_same_greedy_tokens(offloaded, contiguous, logits, tol=LOGIT_TOL["fp32"])
 
 
 def test_every_token_is_written_back_to_the_host_store(tiny_model, tiny_args):

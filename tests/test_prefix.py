@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from harness import kv
 from harness.decode import generate, prefill
 from harness.kv.base import CacheSpec, Unsupported
 from harness.timing import StepTimer
+from tests.greedy import LOGIT_TOL, assert_same_greedy_tokens, greedy_with_logits
 
 CPU = torch.device("cpu")
 BATCH, PROMPT_LEN, PREFIX_LEN, GEN_LEN = 3, 29, 20, 10
@@ -53,14 +56,17 @@ class CountingModel:
 @pytest.mark.parametrize("block_size", [4, 8])  # 20 = 5 whole blocks of 4; 2 blocks of 8 and 4 tokens left over
 def test_prefix_generates_the_same_greedy_tokens_as_contiguous_on_a_miss_and_a_hit(tiny_model, tiny_args, block_size):
     prompt = prompts(tiny_args, seed=1)
-    expected = run(tiny_model, kv.build("contiguous", spec_for(tiny_args), {}), prompt)
+    expected, logits = greedy_with_logits(tiny_model, kv.build("contiguous", spec_for(tiny_args), {}), prompt, GEN_LEN)
     cache = kv.build("prefix", spec_for(tiny_args), {"block_size": block_size})
     miss = run(tiny_model, cache, prompt)
     assert not cache.prefix_hit
     cache.release()
     hit = run(tiny_model, cache, prompt)
     assert cache.prefix_hit
-    assert torch.equal(miss, expected) and torch.equal(hit, expected)
+    # The prefix runs at batch 1, the suffixes at batch B: other GEMM shapes than contiguous's, so the same tokens
+    # up to a near-tie (tests/greedy.py). A hit and a miss run the very same passes: bit for bit.
+    assert_same_greedy_tokens(miss, expected, logits, tol=LOGIT_TOL["fp32"])
+    assert torch.equal(hit, miss)
 
 
 def test_a_hit_prefills_only_the_suffixes(tiny_model, tiny_args):
@@ -112,7 +118,8 @@ def test_a_different_prefix_is_a_miss_and_replaces_the_cached_one(tiny_model, ti
     tokens = run(tiny_model, cache, other)
     assert not cache.prefix_hit and cache.prefix_key != first_key
     assert cache.blocks_in_use() == BATCH * len(cache.tables[0]) - (BATCH - 1) * len(cache.prefix_blocks)
-    assert torch.equal(tokens, run(tiny_model, kv.build("contiguous", spec_for(tiny_args), {}), other))
+    expected, logits = greedy_with_logits(tiny_model, kv.build("contiguous", spec_for(tiny_args), {}), other, GEN_LEN)
+    assert_same_greedy_tokens(tokens, expected, logits, tol=LOGIT_TOL["fp32"])  # batch 1, then B: as above
 
 
 def test_kv_bytes_shared_is_the_prefix_held_once_instead_of_batch_times(tiny_model, tiny_args):
@@ -134,11 +141,17 @@ def test_without_a_prefix_it_behaves_like_paged(tiny_model, tiny_args):
     cache, paged = kv.build("prefix", spec, {"block_size": 4}), kv.build("paged", spec, {"block_size": 4})
     prompt = prompts(tiny_args, seed=1, prefix_len=0)
     model = CountingModel(tiny_model)
-    assert torch.equal(run(model, cache, prompt), run(tiny_model, paged, prompt))
+    assert torch.equal(run(model, cache, prompt), run(tiny_model, paged, prompt))  # like with like: paged's passes
     assert model.shapes[0] == (BATCH, PROMPT_LEN)  # one ordinary prefill from position 0
     assert not cache.prefix_hit and cache.kv_bytes_shared() == 0
     assert cache.kv_bytes_allocated() == paged.kv_bytes_allocated()
     assert cache.kv_bytes_live() == paged.kv_bytes_live()
+
+
+def code_step(x: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    """The widest step between neighbouring codes anywhere in x [B, H_kv, P, D] stored as kv_dtype (harness.kv.quant):
+    int8's scale is a token's amax / 127, int4's a group's (max - min) / 15, neither wider than the whole tensor's."""
+    return x.abs().amax() / 127 if kv_dtype == "int8" else (x.amax() - x.amin()) / 15
 
 
 @pytest.mark.parametrize(
@@ -148,6 +161,8 @@ def test_without_a_prefix_it_behaves_like_paged(tiny_model, tiny_args):
 def test_a_hit_reads_back_exactly_the_quantized_kv_paged_stores(tiny_model, tiny_args, kv_dtype, quant):
     spec = spec_for(tiny_args, kv_dtype=kv_dtype, **quant)
     paged, cache = kv.build("paged", spec, {"block_size": 4}), kv.build("prefix", spec, {"block_size": 4})
+    # The shared prefix is computed as one sequence, [1, n] tokens: its like is paged storing that one sequence.
+    lone = kv.build("paged", dataclasses.replace(spec, batch_size=1), {"block_size": 4})
     prompt = prompts(tiny_args, seed=2)
     run(tiny_model, cache, prompts(tiny_args, seed=1))  # the miss, and a decode that runs past the prefix
     cache.release()
@@ -155,10 +170,20 @@ def test_a_hit_reads_back_exactly_the_quantized_kv_paged_stores(tiny_model, tiny
         prefill(tiny_model, paged, prompt)
         prefill(tiny_model, cache, prompt)
         assert cache.prefix_hit
+        n_shared = cache.n_shared_tokens  # 20 (int8), 16 (int4: whole key groups)
+        prefill(tiny_model, lone, prompt[:1, :n_shared])  # the very pass a miss runs over the prefix
         for layer in range(tiny_args.n_layers):
             expected_k, expected_v = paged._gather(layer, PROMPT_LEN, torch.float32)  # [B, H_kv, P, D] each
+            lone_k, lone_v = lone._gather(layer, n_shared, torch.float32)  # [1, H_kv, n_shared, D]
             k, v = cache._gather(layer, PROMPT_LEN, torch.float32)
-            assert torch.equal(k, expected_k) and torch.equal(v, expected_v)
+            for stored, alone, expected in ((k, lone_k, expected_k), (v, lone_v, expected_v)):
+                # Every sequence reads back the shared blocks: bit for bit what paged stores for that one sequence.
+                assert torch.equal(stored[:, :, :n_shared], alone.expand(BATCH, -1, -1, -1))
+                # Paged's batch-B prefill of whole prompts runs other GEMM shapes, so its quantizer sees values that
+                # differ by rounding (~1e-7 relative), far less than a code step: a value may sit one code away from
+                # it, never more (its scale's own rounding adds ~1e-7 relative). Wrong K/V would be far off.
+                tolerance = code_step(expected, kv_dtype) + 1e-5 * expected.abs().amax()
+                assert (stored - expected).abs().max() <= tolerance
 
 
 def test_int4_with_a_full_precision_tail_is_unsupported(tiny_args):

@@ -11,6 +11,7 @@ from harness import kv
 from harness.decode import generate
 from harness.kv.base import CacheSpec, Unsupported
 from harness.timing import StepTimer
+from tests.greedy import LOGIT_TOL
 
 CPU = torch.device("cpu")
 
@@ -115,8 +116,9 @@ def test_beyond_the_window_prefill_and_token_by_token_decoding_agree(tiny_model,
     for chunks in ([n_tokens], prefill_then_steps(5, n_tokens), [5, 20, 1, 14]):  # the last mixes chunks and steps
         cache = kv.build("sliding", spec_for(tiny_args, max_tokens=n_tokens, kv_dtype=kv_dtype), options)
         last_logits.append(logits_in_chunks(tiny_model, cache, sequence, chunks)[:, -1])
-    torch.testing.assert_close(last_logits[1], last_logits[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(last_logits[2], last_logits[0], rtol=1e-5, atol=1e-5)
+    # Other chunks, other GEMM shapes: bf16/int8 may round a stored value to the next code (tests/greedy.py).
+    torch.testing.assert_close(last_logits[1], last_logits[0], rtol=1e-5, atol=LOGIT_TOL[kv_dtype])
+    torch.testing.assert_close(last_logits[2], last_logits[0], rtol=1e-5, atol=LOGIT_TOL[kv_dtype])
 
 
 def test_sinks_are_still_attended_after_the_window_has_slid(tiny_model, tiny_args):
