@@ -341,3 +341,21 @@ def test_every_cache_allocates_what_the_planner_says_at_llama_3_1_8b_scale(fake_
     assert allocated == planned
     if cache_name == "contiguous" and kv_dtype == DTYPE:  # the seed notes' formula: 2 x L x S x H_kv x D x bytes x B
         assert allocated == 2 * 32 * max_tokens * 8 * 128 * 2 * batch
+
+
+def test_the_sync_recorder_catches_what_would_make_the_host_wait(fake_cuda):
+    """The recorder itself: ops fake tensors let through but a GPU would sync on, each named."""
+    fake_mode, _ = fake_cuda
+    with fake_mode:
+        x = torch.zeros(8, 4, device=CUDA)
+        host_index = torch.tensor([1, 2])  # made on the host
+        syncs = HostSyncs()
+        with syncs:
+            x[host_index]  # indexing a CUDA tensor with a CPU index copies it over first
+            x.to("cpu")  # a blocking copy back to the host
+            x.to("cpu", non_blocking=True)  # not one: the copy is queued
+            x[torch.arange(2, device=CUDA)]  # not one: the index is on the device
+    assert syncs.found == [
+        "aten::index.Tensor: a cpu index into a cuda:0 tensor",
+        "aten::_to_copy: a blocking copy from cuda:0 to cpu",
+    ]
