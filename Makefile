@@ -13,6 +13,9 @@ VENV_CUDA := .venv-cuda
 #   make test TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu"
 HAS_NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 TORCH_SPEC ?= $(if $(HAS_NVIDIA_GPU),,torch==2.13.0)
+# Test processes (pytest-xdist; each file stays in one process, so its module fixtures are built once). Most tests
+# spend their time starting Python and torch in sweep subprocesses, so two processes fill two cores. 1: serial.
+TEST_WORKERS ?= 2
 # Extra Hydra overrides for `make run`, e.g. make run ARGS="gen_len=32"
 ARGS ?=
 # The dashboard binds to loopback unless told otherwise: make dashboard ADDRESS=0.0.0.0 PORT=8501
@@ -40,8 +43,8 @@ run: setup ## The quickstart sweep on the best device present (cuda, else cpu); 
 	echo "kvbench: running experiment=$$exp"; \
 	$(BIN)/python -m experiments.decode experiment=$$exp $(ARGS)
 
-test: setup ## The whole test suite (GPU tests skip cleanly without a GPU)
-	$(BIN)/python -m pytest
+test: setup ## The whole test suite (GPU tests skip cleanly without a GPU), in TEST_WORKERS processes
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 $(VENV_CUDA)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_CUDA)
