@@ -357,3 +357,23 @@ def test_static_shape_decode_through_the_kernel_reads_its_length_from_the_positi
         fused.prepare(pos, 1)
         actual = fused.attend(0, q, k, v, torch.tensor([pos], device=DEVICE))
         torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_an_eager_call_skips_the_op_dispatch_and_anything_watching_goes_through_the_op():
+    """The op's dispatch costs tens of microseconds a call: only a trace, fake tensors, a dispatch mode or the
+    profiler need to see it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.profiler import profile
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from harness.kv import triton_paged
+
+    q = torch.zeros(2, 4, 16)
+    assert not triton_paged._seen(q)
+    with FlopCounterMode(display=False):
+        assert triton_paged._seen(q)
+    with profile():
+        assert triton_paged._seen(q)
+    with FakeTensorMode():
+        assert triton_paged._seen(torch.zeros(2, 4, 16))
+    assert torch.compile(lambda x: x + triton_paged._seen(x), backend="eager", fullgraph=True)(q).eq(1).all()
