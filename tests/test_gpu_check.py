@@ -16,21 +16,16 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from experiments import gpu_check
+from experiments import gpu_check, sizing
 from experiments.gpu_check import (
-    H200,
-    STAGE_ESTIMATES_S,
-    STAGE_PRESETS,
     bandwidth_verdict,
     fp8_verdict,
     nvml_verdict,
     paged_verdict,
-    preset_claims,
     reduce_overhead_verdict,
-    stage_limits,
-    stage_predictions,
     verdicts,
 )
+from experiments.sizing import H200, STAGE_ESTIMATES_S, STAGE_PRESETS, preset_claims, stage_limits, stage_predictions
 from harness import results
 
 ROOT = Path(__file__).parents[1]
@@ -242,7 +237,7 @@ def test_the_limits_leave_a_rerun_inside_the_window():
 @pytest.mark.parametrize("stage", sorted(STAGE_PRESETS))
 def test_a_measuring_stage_budget_fits_its_limit(stage):
     # The preset's stated budget bounds its predicted time (tests/test_presets.py); the limit must hold the budget.
-    claims = preset_claims(gpu_check.CONF / "experiment" / f"{STAGE_PRESETS[stage]}.yaml")
+    claims = preset_claims(sizing.CONF / "experiment" / f"{STAGE_PRESETS[stage]}.yaml")
     assert claims.gpu == H200
     assert claims.budget_min * 60 <= stage_limits(SCRIPT.read_text())[stage]
 

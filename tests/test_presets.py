@@ -3,11 +3,11 @@
 A GPU window is rare and short (15 minutes of one H200, the machine's start included): a preset that needs more
 memory or time than it says wastes one. Each preset under conf/experiment/ named `*-gpu` or `gpu-check-*` is composed
 with Hydra's compose API as `python -m experiments.decode experiment=NAME` composes it, and its sweep expanded as
-Hydra's basic sweeper expands it (experiments.gpu_check.preset_points). Its leading comment claims `<N> GB GPU` (else
+Hydra's basic sweeper expands it (experiments.sizing.preset_points). Its leading comment claims `<N> GB GPU` (else
 an 80 GB H100) and `at most <M> min on an H100|H200` (else 10 minutes on an H100):
     memory  harness.capacity's planner (weights, RoPE tables, the CUDA runtime, the strategy's KV, the activations'
             peak) plus the accuracy pass of lossy points, against N decimal GB
-    time    experiments.gpu_check.sweep_seconds: per point, generations (prefill + decode steps by harness.roofline at
+    time    experiments.sizing.sweep_seconds: per point, generations (prefill + decode steps by harness.roofline at
             half the datasheet peaks, plus the host's launches of an eager step) x (warm-up + repeats, max_time_s
             bounding the repeats past min_repeats), the accuracy and profiler passes, compilation and the model
             build; per sweep, its start and its first worker. An upper bound, against M minutes
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.gpu_check import (
+from experiments.sizing import (
     CONF,
     DEFAULT_BUDGET_MIN,
     DEFAULT_MEMORY_GB,
