@@ -22,7 +22,8 @@ from pathlib import Path
 
 from harness import results, runner, versus
 from harness.bench import config_columns, environment_columns
-from harness.config import DEVICES, DTYPES, ConfigError, RunConfig
+from harness.config import DEVICES, DTYPES, RunConfig
+from harness.errors import ConfigError
 
 log = logging.getLogger("kvbench")
 

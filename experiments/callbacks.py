@@ -16,7 +16,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from harness import crossover, results
-from harness.config import ConfigError, RunConfig
+from harness.config import RunConfig
+from harness.errors import ConfigError
 from harness.sweep import SKIPPED
 
 log = logging.getLogger("kvbench")

@@ -44,7 +44,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness import capacity, results, runner
 from harness.capacity import GiB, Workload
-from harness.config import ConfigError, ModelConfig, RunConfig
+from harness.config import ModelConfig, RunConfig
+from harness.errors import ConfigError
 from harness.model import ModelArgs
 
 log = logging.getLogger("kvbench")

@@ -20,7 +20,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from harness import ceilings
-from harness.config import DEVICES, ConfigError
+from harness.config import DEVICES
+from harness.errors import ConfigError
 
 log = logging.getLogger("kvbench")
 

@@ -20,7 +20,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from harness import results, runner, sweep
-from harness.config import ConfigError, RunConfig
+from harness.config import RunConfig
+from harness.errors import ConfigError
 
 log = logging.getLogger("kvbench")
 

@@ -21,7 +21,8 @@ import torch
 from harness import accuracy, ceilings, fragmentation, kv, profile, roofline
 from harness.config import DTYPES, RunConfig
 from harness.decode import check_compilable, compile_decode_step, cudagraph_skips, generate
-from harness.kv.base import CacheSpec, Unsupported
+from harness.errors import Unsupported
+from harness.kv.base import CacheSpec
 from harness.model import build_model, weights_bytes
 from harness.probes import MemoryProbe
 from harness.results import SCHEMA_VERSION

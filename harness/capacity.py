@@ -50,7 +50,8 @@ from pathlib import Path
 import torch
 
 from harness import kv
-from harness.config import DTYPES, KV_DTYPES, ConfigError, check_kv_layout
+from harness.config import DTYPES, KV_DTYPES, check_kv_layout
+from harness.errors import ConfigError
 from harness.kv.base import blocks_for
 from harness.kv.quant import BITS, PLAIN, QUANTIZED
 from harness.model import PRESETS, SUPPORTED_MODEL_TYPES, ModelArgs

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from harness import kv
+from harness.errors import ConfigError
 from harness.kv.quant import BITS
 from harness.model import ModelArgs, load_args
 
@@ -31,10 +32,6 @@ COMPILE_MODES = ("none", "default", "reduce-overhead")  # torch.compile modes of
 _LATER_DEFAULTS = {"compile": "none"}
 # How and where a point runs, not what it measures: left out of point_id, so they never make a point "new".
 NOT_MEASURED = ("results_dir", "isolate", "ceilings_dir", "profile_trace", "reuse_worker", "force", "oom_backstop")
-
-
-class ConfigError(ValueError):
-    """Bad input: the message is one line naming the field and what it allows."""
 
 
 @dataclass

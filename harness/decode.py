@@ -20,7 +20,8 @@ from collections.abc import Callable
 import torch
 from torch.profiler import record_function
 
-from harness.kv.base import KVCache, Unsupported
+from harness.errors import Unsupported
+from harness.kv.base import KVCache
 from harness.timing import Sample, StepTimer
 
 COMPILE_MODES = ("default", "reduce-overhead")  # torch.compile's modes a decode step can take here

@@ -16,7 +16,8 @@ import random
 
 from harness import kv
 from harness.config import RunConfig
-from harness.kv.base import CacheSpec, Unsupported
+from harness.errors import Unsupported
+from harness.kv.base import CacheSpec
 
 
 def request_lengths(cfg: RunConfig) -> list[int]:

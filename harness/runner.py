@@ -28,7 +28,7 @@ import torch
 
 from harness import bench, ceilings, probes
 from harness.config import RunConfig
-from harness.kv.base import Unsupported
+from harness.errors import Unsupported
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import pandas as pd
 
 from harness import capacity, results
-from harness.config import ConfigError, RunConfig
+from harness.config import RunConfig
+from harness.errors import ConfigError
 
 SKIPPED = "skipped"  # what experiments.decode.main answers for a point it found recorded
 REFERENCE = results.REFERENCE_DIR  # committed reference runs, which resume never counts as done

@@ -17,9 +17,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from experiments.capacity import CapacityConfig, find_frontier
 from harness import capacity, kv
 from harness.capacity import GiB, Workload
-from harness.config import ConfigError, RunConfig
+from harness.config import RunConfig
 from harness.decode import generate, prefill
-from harness.kv.base import CacheSpec, Unsupported
+from harness.errors import ConfigError, Unsupported
+from harness.kv.base import CacheSpec
 from harness.kv.offload import OffloadCache, SyncTransfers
 from harness.kv.offload import Options as OffloadOptions
 from harness.model import ModelArgs, build_model

@@ -10,7 +10,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import experiments.decode  # noqa: F401  (registers the run_config schema that conf/config.yaml extends)
-from harness.config import ConfigError, RunConfig, check_storable
+from harness.config import RunConfig, check_storable
+from harness.errors import ConfigError
 
 CONF = Path(__file__).parents[1] / "conf"
 

@@ -27,7 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import capacity, kv
 from harness.decode import COMPILE_MODES, compile_decode_step, decode_step, generate
-from harness.kv.base import CacheSpec, Unsupported
+from harness.errors import Unsupported
+from harness.kv.base import CacheSpec
 from harness.kv.quant import BITS
 from harness.model import ModelArgs, Transformer
 from harness.timing import Sample

@@ -278,7 +278,7 @@ def test_no_config_value_is_ever_evaluated_as_code():
 
 
 def test_a_pickled_checkpoint_is_refused_with_one_line(tmp_path):
-    from harness.config import ConfigError
+    from harness.errors import ConfigError
 
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     (tmp_path / "pytorch_model.bin").write_bytes(b"a pickle could run anything on load")

@@ -8,8 +8,9 @@ import torch
 
 from harness.bench import run_point
 from harness.config import RunConfig
+from harness.errors import Unsupported
 from harness.fragmentation import request_lengths, waste_columns
-from harness.kv.base import CacheSpec, Unsupported
+from harness.kv.base import CacheSpec
 
 MIXED = dict(model={"name": "tiny"}, dtype="fp32", lengths="mixed", batch_size=24, prompt_len=200, gen_len=100)
 

@@ -10,7 +10,8 @@ import torch
 
 from harness import kv
 from harness.decode import generate
-from harness.kv.base import CacheSpec, KVPoolExhausted
+from harness.errors import KVPoolExhausted
+from harness.kv.base import CacheSpec
 from harness.timing import StepTimer
 from tests.greedy import LOGIT_TOL, LogitRecorder, assert_same_greedy_tokens
 
@@ -153,7 +154,7 @@ def test_unknown_strategy_and_unknown_option_name_the_field_and_allowed_values()
 
 
 def test_none_has_nothing_to_store_in_another_format(tiny_args):
-    from harness.kv.base import Unsupported
+    from harness.errors import Unsupported
 
     for kv_dtype, dtype in (("int8", None), ("bf16", "fp32")):
         spec = CacheSpec.for_model(tiny_args, batch_size=1, max_tokens=8, kv_dtype=kv_dtype, device=CPU)

@@ -7,7 +7,8 @@ import torch
 
 from harness import kv
 from harness.decode import generate
-from harness.kv.base import CacheSpec, Unsupported
+from harness.errors import Unsupported
+from harness.kv.base import CacheSpec
 from harness.kv.offload import OffloadCache, Options, SyncTransfers
 from harness.timing import StepTimer
 from tests.greedy import LOGIT_TOL, assert_same_greedy_tokens, greedy_with_logits

@@ -7,7 +7,8 @@ import torch
 
 from harness import kv
 from harness.decode import generate
-from harness.kv.base import CacheSpec, Unsupported
+from harness.errors import Unsupported
+from harness.kv.base import CacheSpec
 from harness.kv.quant import (
     decode_int4_keys,
     decode_int4_values,

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from harness import kv
 from harness.decode import generate
-from harness.kv.base import CacheSpec, Unsupported
+from harness.errors import Unsupported
+from harness.kv.base import CacheSpec
 from harness.timing import StepTimer
 from tests.greedy import LOGIT_TOL
 

@@ -22,6 +22,7 @@ from typing import ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
+from harness.errors import Unsupported
 from harness.kv.quant import BITS, PLAIN
 
 
@@ -98,15 +99,6 @@ class KVCache(Protocol):
         """Of kv_bytes_allocated, the full-precision tail a format keeps beside its narrow storage (int4's
         residual window and incomplete key group; 0 otherwise)."""
         ...
-
-
-class Unsupported(Exception):
-    """This combination cannot run here (a strategy on the wrong device, a format it cannot store): the point
-    becomes a `status=unsupported` row with this reason, not an error."""
-
-
-class KVPoolExhausted(MemoryError):
-    """A sequence needed a block and the pool had none: out of KV memory, reported like any OOM."""
 
 
 def grouped_attention(

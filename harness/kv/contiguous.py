@@ -23,7 +23,8 @@ from typing import ClassVar
 
 import torch
 
-from harness.kv.base import CacheSpec, Unsupported, attention, blocks_for, grouped_attention
+from harness.errors import Unsupported
+from harness.kv.base import CacheSpec, attention, blocks_for, grouped_attention
 from harness.kv.quant import FP8, storage_format
 
 

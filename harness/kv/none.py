@@ -11,7 +11,8 @@ from typing import ClassVar
 
 import torch
 
-from harness.kv.base import CacheSpec, Unsupported, attention
+from harness.errors import Unsupported
+from harness.kv.base import CacheSpec, attention
 from harness.kv.quant import QUANTIZED
 
 

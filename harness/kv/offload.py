@@ -20,8 +20,9 @@ from typing import ClassVar
 
 import torch
 
+from harness.errors import Unsupported
 from harness.kv import host
-from harness.kv.base import CacheSpec, Unsupported, attention
+from harness.kv.base import CacheSpec, attention
 
 
 @dataclass(frozen=True)

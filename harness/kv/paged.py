@@ -31,8 +31,9 @@ from typing import ClassVar
 
 import torch
 
+from harness.errors import KVPoolExhausted, Unsupported
 from harness.kv import host
-from harness.kv.base import CacheSpec, KVPoolExhausted, Unsupported, attention, blocks_for, grouped_attention
+from harness.kv.base import CacheSpec, attention, blocks_for, grouped_attention
 from harness.kv.quant import FP8, storage_format
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from harness.kv.base import CacheSpec, Unsupported, blocks_for
+from harness.errors import Unsupported
+from harness.kv.base import CacheSpec, blocks_for
 from harness.kv.paged import Options, PagedCache
 
 

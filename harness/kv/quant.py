@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch.profiler import record_function
 
+from harness.errors import Unsupported
+
 if TYPE_CHECKING:  # base imports this module
     from harness.kv.base import CacheSpec
 
@@ -48,12 +50,6 @@ SCALE_DTYPE = torch.float32  # scales and zero points: computed and kept in fp32
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # finfo max: 448, 57344
 INT8_MAX = 127  # symmetric: -127..127, so 0 is exact and the grid is the same on both sides
 INT4_MAX = 15  # asymmetric: levels 0..15
-
-
-def _unsupported(reason: str) -> Exception:
-    from harness.kv.base import Unsupported  # base imports this module: import late
-
-    return Unsupported(reason)
 
 
 # --- per-token codecs --------------------------------------------------------------------------------------------
@@ -127,7 +123,7 @@ def token_codec(name: str) -> TokenCodec:
     if name == "int8":
         return ScaledCodec(name, torch.int8, INT8_MAX)
     if name == "int4":
-        raise _unsupported("int4 has no per-token codec: its keys are quantized per channel across token groups")
+        raise Unsupported("int4 has no per-token codec: its keys are quantized per channel across token groups")
     raise ValueError(f"kv_dtype: unknown format {name!r}; allowed: {', '.join(BITS)}")
 
 
@@ -242,7 +238,7 @@ class Int4Kivi:
     def __init__(self, spec: CacheSpec) -> None:
         self.spec, self.group, self.residual = spec, spec.kv_group_size, spec.kv_residual
         if spec.head_dim % self.group:
-            raise _unsupported(
+            raise Unsupported(
                 f"int4: kv_group_size {self.group} does not divide head_dim {spec.head_dim}; "
                 "allowed: a group size dividing head_dim"
             )
