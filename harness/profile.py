@@ -47,8 +47,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from harness.decode import decode_step, prefill
 from harness.kv.base import KVCache
 from harness.model import weights_bytes
+from harness.store.schema import PROFILE_CATEGORIES
 
-CATEGORIES = ("attention", "gemm", "norm_elementwise", "kv", "sampling", "other")
+CATEGORIES = PROFILE_CATEGORIES  # the row has a prof_<category>_frac column for each (harness.store.schema)
 TOP_OPS_COLUMNS = ("op", "category", "self_time_ms", "calls", "share")
 
 # The record_function labels on the hot path and what they claim. Each costs a few µs per call even with no profiler

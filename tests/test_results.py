@@ -488,3 +488,15 @@ def test_index_without_rows_is_an_empty_frame_with_its_columns(tmp_path, make_di
     lines = results.index(directory)
 
     assert lines.empty and list(lines.columns) == [*results.INDEX_COLUMNS, "path"]
+
+
+def test_the_schema_has_one_share_column_per_profiler_category_and_imports_no_torch():
+    import subprocess
+    import sys
+
+    from harness.store.schema import COLUMNS, PROFILE_CATEGORIES
+
+    shares = {c.name for c in COLUMNS if c.name.startswith("prof_") and c.name.endswith("_frac")}
+    assert shares == {f"prof_{category}_frac" for category in PROFILE_CATEGORIES}
+    code = "import sys, harness.store.schema; assert 'torch' not in sys.modules, 'the schema imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)

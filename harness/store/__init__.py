@@ -1,0 +1,1 @@
+"""Result rows: their column contract (schema), how they reach disk and come back."""

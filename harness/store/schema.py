@@ -1,0 +1,345 @@
+"""The column contract of a result row: every column's name, Arrow type, unit and meaning, in one place.
+
+Torch-free (pyarrow only), so that the store, the README generator and the dashboard read the same contract
+without importing the measuring code. The Parquet schema, the README table (`python -m harness.results columns`)
+and the loader's column order all come from COLUMNS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+# The profiler's categories of step time (harness.profile classifies each op into one); each has a
+# prof_<category>_frac column below, and the dashboard colours them in this order.
+PROFILE_CATEGORIES = ("attention", "gemm", "norm_elementwise", "kv", "sampling", "other")
+
+# Bump when a column changes meaning or type. Adding a column needs no bump: older files load with it null.
+# 2: energy_j_per_token and mean_power_w cover the measured generations only (1: warm-up included); clocks and
+# throttle reasons sampled inside that window (sm_clock_mhz_min/max, ...) replace the *_start/*_end reads.
+SCHEMA_VERSION = 2
+
+_ARROW_TYPES = {
+    "string": pa.string(),
+    "int64": pa.int64(),
+    "float64": pa.float64(),
+    "bool": pa.bool_(),
+    "list<float64>": pa.list_(pa.float64()),
+}
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: str  # one of _ARROW_TYPES
+    unit: str  # "" when the value has none (names, counts, ratios)
+    description: str
+
+    def __post_init__(self) -> None:
+        if self.type not in _ARROW_TYPES:
+            raise ValueError(f"column {self.name!r}: type {self.type!r} is not one of {sorted(_ARROW_TYPES)}")
+
+
+COLUMNS: tuple[Column, ...] = (
+    # Identity
+    Column("point_id", "string", "", "Stable hash of the measurement config; also the row's file name"),
+    Column("sweep_id", "string", "", "Identifier of the sweep (one invocation) that produced the row"),
+    Column(
+        "status",
+        "string",
+        "",
+        "Outcome of the point: ok, oom, error, unsupported, or skipped_oom (not run: the OOM backstop, see error)",
+    ),
+    Column("error", "string", "", "Error message when status is not ok; null when ok"),
+    # Config
+    Column("model", "string", "", "Model preset name"),
+    Column("n_params", "int64", "", "Number of model parameters"),
+    Column("n_layers", "int64", "", "Transformer layers"),
+    Column("n_heads", "int64", "", "Query heads per layer"),
+    Column("n_kv_heads", "int64", "", "Key/value heads per layer (fewer than n_heads under GQA/MQA)"),
+    Column("head_dim", "int64", "", "Channels per attention head"),
+    Column("dtype", "string", "", "Compute dtype of weights and activations: fp32, fp16 or bf16"),
+    Column("kv_dtype", "string", "", "Storage dtype of the KV cache (kv_dtype=auto resolved to dtype)"),
+    Column("cache", "string", "", "KV-cache strategy name"),
+    Column("block_size", "int64", "tokens", "Tokens per KV block; null unless the cache is paged"),
+    Column("pool_tokens", "int64", "tokens", "Token capacity of the KV block pool; null unless the cache is paged"),
+    Column("kv_group_size", "int64", "", "int4: values per quantization group; null for other kv_dtypes"),
+    Column("kv_residual", "int64", "tokens", "int4: most recent tokens kept in full precision (KIVI); null otherwise"),
+    Column("window", "int64", "tokens", "Sliding window: cached tokens per sequence at most; null unless sliding"),
+    Column("sinks", "int64", "tokens", "Sliding window: first tokens always kept (StreamingLLM); null unless sliding"),
+    Column("batch_size", "int64", "", "Sequences decoded together"),
+    Column("prompt_len", "int64", "tokens", "Prompt tokens per sequence"),
+    Column("gen_len", "int64", "tokens", "Tokens generated per sequence, the first one included"),
+    Column("prefix_len", "int64", "tokens", "Leading prompt tokens shared by every sequence of the batch (0: none)"),
+    Column("lengths", "string", "", "fixed (every sequence prompt_len + gen_len) or mixed (allocation-waste points)"),
+    Column(
+        "min_len_frac", "float64", "", "mixed: request lengths drawn uniformly from [min_len_frac, 1] of the maximum"
+    ),
+    Column("mean_request_len", "float64", "tokens", "mixed: mean final length (prompt + generated) of the requests"),
+    Column("device", "string", "", "cpu or cuda"),
+    Column("weights", "string", "", "dummy (random weights) or the checkpoint path"),
+    Column("runner", "string", "", "Whose decode loop: kvbench, or transformers (make bench's side-by-side)"),
+    Column("compile", "string", "", "torch.compile mode of the decode step: none, default or reduce-overhead"),
+    Column(
+        "attn_backend", "string", "", "Attention implementation of the decode step: sdpa, triton-paged, flashinfer, ..."
+    ),
+    Column(
+        "cudagraph_skips",
+        "int64",
+        "",
+        "compile=reduce-overhead: times inductor skipped CUDA graphs for the step (0: captured; more makes the row an "
+        "error); null otherwise",
+    ),
+    Column("seed", "int64", "", "Random seed of the weights and prompt tokens"),
+    Column(
+        "max_memory_gb",
+        "float64",
+        "GiB",
+        "Cap on the measuring process (RLIMIT_DATA on CPU; on CUDA the allocator's fraction, less what the process "
+        "already holds, CUDA context included); null when unset",
+    ),
+    # Latency
+    Column("ttft_ms", "float64", "ms", "Time to first token (prefill plus the first token), median over repeats"),
+    Column("ttft_p90_ms", "float64", "ms", "90th percentile of TTFT over repeats"),
+    Column("ttft_p99_ms", "float64", "ms", "99th percentile of TTFT over repeats"),
+    Column(
+        "tpot_ms",
+        "float64",
+        "ms",
+        "Time per output token after the first: median over repeats of each repeat's mean decode-step time",
+    ),
+    Column("tpot_p90_ms", "float64", "ms", "90th percentile over repeats of the per-repeat TPOT"),
+    Column("tpot_p99_ms", "float64", "ms", "99th percentile over repeats of the per-repeat TPOT"),
+    Column("tpot_cv", "float64", "", "Coefficient of variation (std / mean) of the per-repeat TPOT"),
+    Column("itl_ms", "list<float64>", "ms", "Latency of every decode step, in order; element-wise median over repeats"),
+    Column("itl_p50_ms", "float64", "ms", "Median inter-token latency over all decode steps of all repeats"),
+    Column("itl_p90_ms", "float64", "ms", "90th percentile inter-token latency over all decode steps of all repeats"),
+    Column("itl_p99_ms", "float64", "ms", "99th percentile inter-token latency over all decode steps of all repeats"),
+    Column("decode_tok_s", "float64", "tok/s", "Decode throughput: batch_size × (gen_len − 1) / decode time"),
+    Column("prefill_tok_s", "float64", "tok/s", "Prefill throughput: batch_size × prompt_len / TTFT"),
+    Column(
+        "e2e_ms",
+        "float64",
+        "ms",
+        "End-to-end time of one generation (prefill and every decode step), median over repeats",
+    ),
+    Column(
+        "ttft_miss_ms",
+        "float64",
+        "ms",
+        "Prefix caching: TTFT when the shared prefix is not cached yet (ttft_ms is then the hit); null otherwise",
+    ),
+    Column("prefix_hit", "bool", "", "Prefix caching: the measured prefills found the prefix cached; null otherwise"),
+    Column("repeats", "int64", "", "Measured repeats, warm-up excluded"),
+    # Memory
+    Column("weights_bytes", "int64", "bytes", "Model parameters, at their stored dtype"),
+    Column("kv_bytes_allocated", "int64", "bytes", "KV storage the cache holds, used or not (buffers, whole blocks)"),
+    Column("kv_bytes_live", "int64", "bytes", "KV storage the cached tokens actually need, at kv_dtype"),
+    Column("kv_scale_bytes", "int64", "bytes", "Of kv_bytes_allocated, the quantization scales (0 for plain dtypes)"),
+    Column(
+        "kv_bytes_host",
+        "int64",
+        "bytes",
+        "Offload: of kv_bytes_allocated, the part in pinned host memory; null otherwise",
+    ),
+    Column(
+        "kv_bytes_shared",
+        "int64",
+        "bytes",
+        "Prefix caching: KV bytes the shared prefix saves against every sequence holding its own copy",
+    ),
+    Column(
+        "kv_tail_bytes",
+        "int64",
+        "bytes",
+        "Of kv_bytes_allocated, int4's full-precision tail (residual window, incomplete key group); 0 otherwise",
+    ),
+    Column(
+        "kv_waste_fraction",
+        "float64",
+        "",
+        "Share of KV payload storage holding no token at the peak: (allocated - scales - tail - live) / "
+        "(allocated - scales - tail)",
+    ),
+    Column(
+        "kv_bytes_predicted",
+        "int64",
+        "bytes",
+        "Analytic KV size: 2 × n_layers × (prompt_len + gen_len) × n_kv_heads × head_dim × bytes(kv_dtype) × batch_size",
+    ),
+    Column(
+        "peak_mem_bytes",
+        "int64",
+        "bytes",
+        "Peak memory of the point, as peak_mem_source says: CPU, peak RSS of its measuring process; CUDA, NVML's "
+        "peak for this process, or the allocator's reserved peak where NVML does not list the process",
+    ),
+    Column(
+        "peak_mem_source",
+        "string",
+        "",
+        "Where peak_mem_bytes comes from: rss (CPU), nvml_process (NVML lists this PID with its memory at the "
+        "baseline), or torch_reserved (it does not: a container's PID namespace, a failed query; a warning says why)",
+    ),
+    Column(
+        "mem_baseline_bytes",
+        "int64",
+        "bytes",
+        "Memory in use before the model loads: RSS on CPU, NVML device-used on CUDA",
+    ),
+    Column("torch_peak_allocated_bytes", "int64", "bytes", "torch.cuda.max_memory_allocated (tensors); null on CPU"),
+    Column(
+        "torch_peak_reserved_bytes", "int64", "bytes", "torch.cuda.max_memory_reserved (caching allocator); null on CPU"
+    ),
+    Column("nvml_peak_used_bytes", "int64", "bytes", "Peak device memory in use, all processes (NVML); null on CPU"),
+    Column("nvml_process_peak_bytes", "int64", "bytes", "Peak device memory used by this process (NVML); null on CPU"),
+    # Roofline: the analytic step model (harness/roofline.py) beside this device's measured ceilings
+    Column(
+        "flops_per_step",
+        "float64",
+        "FLOP",
+        "Analytic FLOPs of one decode step of the whole batch at the mean decode context (2 per multiply-add)",
+    ),
+    Column(
+        "bytes_per_step",
+        "float64",
+        "bytes",
+        "Analytic bytes one decode step moves: weights + KV read (n_kv_heads, kv_dtype, scales) + KV written + activations",
+    ),
+    Column("arithmetic_intensity", "float64", "FLOP/byte", "flops_per_step / bytes_per_step (decode)"),
+    Column("prefill_arithmetic_intensity", "float64", "FLOP/byte", "Analytic FLOPs / bytes of the prefill"),
+    Column("prefill_flops", "float64", "FLOP", "Analytic FLOPs of the prefill of the whole batch"),
+    Column("achieved_bw_gbps", "float64", "GB/s", "bytes_per_step / tpot: the bandwidth the measured decode implies"),
+    Column("achieved_tflops", "float64", "TFLOP/s", "flops_per_step / tpot"),
+    Column(
+        "prefill_achieved_tflops",
+        "float64",
+        "TFLOP/s",
+        "prefill_flops / ttft_ms (TTFT also holds the first token's sampling, so this slightly understates it)",
+    ),
+    Column("bw_util", "float64", "", "achieved_bw_gbps / peak_bw_gbps (over 1 means a bug)"),
+    Column("flops_util", "float64", "", "achieved_tflops / peak_tflops"),
+    Column(
+        "bound",
+        "string",
+        "",
+        "memory or compute: whether arithmetic_intensity is below or above the ridge, peak_tflops / peak_bw_gbps",
+    ),
+    Column(
+        "predicted_tpot_ms",
+        "float64",
+        "ms",
+        "Predicted (analytic) TPOT: max(flops_per_step / peak FLOP/s, bytes_per_step / peak bandwidth)",
+    ),
+    Column("peak_bw_gbps", "float64", "GB/s", "This device's measured copy bandwidth (read + write), GB = 1e9"),
+    Column("peak_tflops", "float64", "TFLOP/s", "This device's measured dense matmul throughput in the compute dtype"),
+    Column(
+        "critical_batch",
+        "float64",
+        "",
+        "Predicted B*: the smallest batch whose decode step at this context reaches the ridge; null if none does",
+    ),
+    Column(
+        "critical_context",
+        "float64",
+        "tokens",
+        "Predicted S*: beyond this context decode cannot reach the ridge at any batch (inf: never binds)",
+    ),
+    Column("ceilings_fingerprint", "string", "", "The stored ceilings (results_dir/ceilings/<fingerprint>.json) used"),
+    # Profiler: a separate torch.profiler pass over prof_steps decode steps (harness/profile.py)
+    # one share per PROFILE_CATEGORIES entry, prof_<category>_frac
+    Column("prof_attention_frac", "float64", "", "Share of classified step time in attention"),
+    Column("prof_gemm_frac", "float64", "", "Share in matrix multiplies (projections, MLP, lm_head)"),
+    Column("prof_norm_elementwise_frac", "float64", "", "Share in norms, RoPE, activations and other elementwise ops"),
+    Column("prof_kv_frac", "float64", "", "Share in KV writes, quantize and dequantize, paged gathers"),
+    Column("prof_sampling_frac", "float64", "", "Share in sampling (argmax)"),
+    Column("prof_other_frac", "float64", "", "Share in everything else; the six shares sum to 1"),
+    Column("prof_step_classified_ms", "float64", "ms", "Classified time per profiled step (compare with tpot_ms)"),
+    Column("prof_attention_flops", "int64", "FLOP", "Attention FLOPs of one decode step (torch.utils.flop_counter)"),
+    Column("prof_total_flops", "int64", "FLOP", "All counted FLOPs of one decode step (torch.utils.flop_counter)"),
+    Column("prof_mem_weights_bytes", "int64", "bytes", "Profiler memory view: parameters"),
+    Column("prof_mem_kv_bytes", "int64", "bytes", "Profiler memory view: the KV cache's storage"),
+    Column(
+        "prof_mem_activations_bytes",
+        "int64",
+        "bytes",
+        "Profiler memory view: peak transient allocations during the profiled decode steps",
+    ),
+    Column("prof_steps", "int64", "", "Decode steps profiled"),
+    Column("prof_trace_path", "string", "", "Chrome trace of the profiled pass (profile_trace=true); null otherwise"),
+    Column("prof_memory_snapshot_path", "string", "", "CUDA memory snapshot next to the trace; null otherwise"),
+    # Energy and validity (CUDA, through NVML; null on CPU)
+    Column(
+        "energy_j_per_token",
+        "float64",
+        "J",
+        "NVML total-energy delta over the timed generations alone (after the warm-up; prefill included) / the "
+        "tokens they generated",
+    ),
+    Column(
+        "mean_power_w",
+        "float64",
+        "W",
+        "Mean board power over the timed generations (that energy delta / their wall time)",
+    ),
+    Column("sm_clock_mhz_min", "int64", "MHz", "Lowest SM clock sampled during the timed generations"),
+    Column("sm_clock_mhz_max", "int64", "MHz", "Highest SM clock sampled during them: far above the min, clocks moved"),
+    Column("mem_clock_mhz_min", "int64", "MHz", "Lowest memory clock sampled during the timed generations"),
+    Column("mem_clock_mhz_max", "int64", "MHz", "Highest memory clock sampled during them"),
+    Column(
+        "throttle_reasons",
+        "int64",
+        "",
+        "Bitwise OR of every NVML clock-event (throttle) reason bitmask sampled during the timed generations; 0: none. "
+        "Bit 0x1 (GPU idle) marks samples that caught the GPU between kernels; 0x4 (power cap), 0x8 (hardware "
+        "slowdown), 0x20 and 0x40 (thermal) mean it throttled",
+    ),
+    Column(
+        "nvml_timed_samples",
+        "int64",
+        "",
+        "NVML samples (every 10 ms) that fell inside the timed generations; 0: too short for clock columns",
+    ),
+    Column(
+        "nvml_error",
+        "string",
+        "",
+        "First NVML error of the point (query: error), or why NVML could not start; null when none (and on CPU)",
+    ),
+    # Accuracy: lossy points against the exact cache (contiguous, kv_dtype = dtype), teacher-forced on its tokens
+    Column("logit_max_abs_err", "float64", "", "Largest |logit - exact logit| over every step, sequence and token"),
+    Column("kl_mean", "float64", "nats", "Mean KL(exact || lossy) of the next-token distributions over all steps"),
+    Column("top1_agreement", "float64", "", "Fraction of steps whose argmax equals the exact cache's"),
+    Column("eval_text", "string", "", "Local text file whose perplexity was measured; null when none"),
+    Column("ppl", "float64", "", "Perplexity of eval_text through this point's cache (real checkpoints only)"),
+    Column("ppl_delta", "float64", "", "ppl minus the exact cache's perplexity on the same text"),
+    # Output
+    Column("output_digest", "string", "", "sha256 hex of the generated token ids: equal digests, equal outputs"),
+    # Environment
+    Column("git_sha", "string", "", "Commit of the harness that produced the row"),
+    Column("git_dirty", "bool", "", "Uncommitted changes to tracked files at that commit; null outside a git checkout"),
+    Column("host", "string", "", "Host name of the machine"),
+    Column("cpu_model", "string", "", "CPU model name (/proc/cpuinfo), whatever the device"),
+    Column("device_name", "string", "", "Device model: GPU name, or CPU brand on CPU"),
+    Column("device_count", "int64", "", "CUDA devices visible to the process; 1 on CPU"),
+    Column("driver_version", "string", "", "NVIDIA driver version (NVML); null on CPU"),
+    Column("cuda_version", "string", "", "CUDA version torch was built with (torch.version.cuda); null on CPU"),
+    Column("torch_version", "string", "", "torch.__version__"),
+    Column("python_version", "string", "", "platform.python_version()"),
+    Column("kvbench_version", "string", "", "The installed kvbench package's version"),
+    Column("config_json", "string", "", "The point's resolved RunConfig as JSON: diff two rows' with `results diff`"),
+    Column("started_at", "string", "", "Start of the measurement, ISO-8601 UTC"),
+    Column("schema_version", "int64", "", "SCHEMA_VERSION of the writer; filled in by write_point when absent"),
+)
+
+
+def arrow_schema() -> pa.Schema:
+    """The typed Arrow schema of a row; each field carries its unit and description as metadata."""
+    return pa.schema(
+        [
+            pa.field(c.name, _ARROW_TYPES[c.type], metadata={"unit": c.unit, "description": c.description})
+            for c in COLUMNS
+        ],
+        metadata={"kvbench.schema_version": str(SCHEMA_VERSION)},
+    )
