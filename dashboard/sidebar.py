@@ -14,7 +14,8 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from dashboard import charts, data
+from dashboard import data
+from dashboard.charts.common import MissingColumns
 
 STATE_KEY = "kvbench_selection"  # st.session_state key of the current Selection
 REFERENCE_KEY = "include_reference"  # the checkbox's key: a test can set it before the first run
@@ -103,7 +104,7 @@ def plot(name: str, build: Callable[..., go.Figure], *args, **kwargs) -> go.Figu
     """st.plotly_chart(build(*args, **kwargs)); a chart the rows lack columns for is a warning naming them."""
     try:
         figure = build(*args, **kwargs)
-    except charts.MissingColumns as exc:
+    except MissingColumns as exc:
         st.warning(f"{name}: {exc}")
         return None
     st.plotly_chart(figure, width="stretch", key=f"chart: {name}")  # keyed: two equal figures may not clash

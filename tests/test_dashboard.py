@@ -15,8 +15,9 @@ import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from dashboard import charts, data, sidebar
+from dashboard import data, sidebar
 from harness import results
+from harness.store.schema import PROFILE_CATEGORIES
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 PAGES = ("overview", "roofline", "memory", "strategies", "latency", "profile")
@@ -31,7 +32,7 @@ NEWER_COLUMNS = [  # what a row of an older schema lacks (written as nulls)
     "achieved_tflops",
     "peak_bw_gbps",
     "peak_tflops",
-    *(f"prof_{category}_frac" for category in charts.PROFILE_CATEGORIES),
+    *(f"prof_{category}_frac" for category in PROFILE_CATEGORIES),
 ]
 
 

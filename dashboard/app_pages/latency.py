@@ -2,13 +2,13 @@
 
 import streamlit as st
 
-from dashboard import charts
+from dashboard.charts.latency import itl_curves, tpot_percentiles, ttft_vs_prompt
 from dashboard.sidebar import page_rows, plot
 
 st.title("Latency")
 rows = page_rows()
 
-plot("TTFT vs prompt length", charts.ttft_vs_prompt, rows)
+plot("TTFT vs prompt length", ttft_vs_prompt, rows)
 max_lines = st.slider("inter-token latency: most curves shown", min_value=1, max_value=50, value=12)
-plot("inter-token latency", charts.itl_curves, rows, max_lines=max_lines)
-plot("TPOT percentiles", charts.tpot_percentiles, rows)
+plot("inter-token latency", itl_curves, rows, max_lines=max_lines)
+plot("TPOT percentiles", tpot_percentiles, rows)

@@ -4,7 +4,8 @@ the planner's, and the analytic KV size beside the bytes the cache really held."
 import psutil
 import streamlit as st
 
-from dashboard import charts, data
+from dashboard import data
+from dashboard.charts.memory import frontier, memory_ledger
 from dashboard.sidebar import current, page_rows, plot
 
 GiB = 2**30
@@ -33,7 +34,7 @@ capacity_gib = st.number_input(
 )
 plot(
     "memory ledger",
-    charts.memory_ledger,
+    memory_ledger,
     rows,
     capacity_bytes=capacity_gib * GiB if capacity_gib else None,
 )
@@ -46,7 +47,7 @@ if frontiers.empty:
         "`python -m experiments.capacity`"
     )
 else:
-    plot("OOM frontier", charts.frontier, frontiers)
+    plot("OOM frontier", frontier, frontiers)
 
 st.subheader("KV bytes: planner vs measured")
 columns = ["model", "cache", "kv_dtype", "batch_size", "prompt_len", "gen_len", "kv_bytes_predicted"]

@@ -3,7 +3,8 @@
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, data
+from dashboard import data
+from dashboard.charts.overview import status_counts
 from dashboard.sidebar import current, page_rows, plot
 
 STATUSES = ("ok", "oom", "skipped_oom", "error", "unsupported")
@@ -54,7 +55,7 @@ def sweep_table(rows: pd.DataFrame) -> pd.DataFrame:
 
 st.subheader("Sweeps found")
 st.dataframe(sweep_table(current().all_rows), hide_index=True)
-plot("Rows per sweep", charts.status_counts, current().all_rows)
+plot("Rows per sweep", status_counts, current().all_rows)
 
 ok = rows[rows["status"] == "ok"]
 best, fastest, longest = st.columns(3)

@@ -3,14 +3,15 @@ top ops."""
 
 import streamlit as st
 
-from dashboard import charts, data
+from dashboard import data
+from dashboard.charts.profile import profile_shares, top_ops
 from dashboard.sidebar import current, page_rows, plot
 
 st.title("Profile")
 rows = page_rows()
 
-plot("time shares by prompt length", charts.profile_shares, rows, by="prompt_len")
-plot("time shares by batch size", charts.profile_shares, rows, by="batch_size")
+plot("time shares by prompt length", profile_shares, rows, by="prompt_len")
+plot("time shares by batch size", profile_shares, rows, by="batch_size")
 
 st.subheader("Top ops of one point")
 sources = current().sources
@@ -32,4 +33,4 @@ else:
     if ops is None:
         st.warning(f"top ops: the table of {point_id} could not be read")
     else:
-        plot("top ops", charts.top_ops, ops)
+        plot("top ops", top_ops, ops)

@@ -3,14 +3,16 @@ which decode stops being memory-bound (the observed knee beside the predicted B*
 
 import streamlit as st
 
-from dashboard import charts
+from dashboard.charts.common import MissingColumns
+from dashboard.charts.crossover import batch_sweep, crossover_caption
+from dashboard.charts.roofline import roofline
 from dashboard.sidebar import page_rows, plot
 from harness import crossover
 
 st.title("Roofline & crossover")
 rows = page_rows()
 
-plot("roofline", charts.roofline, rows)
+plot("roofline", roofline, rows)
 
 st.subheader("Batch sweep")
 metrics = st.segmented_control(
@@ -21,10 +23,10 @@ metrics = st.segmented_control(
     help="decode throughput grows with the batch while decode is memory-bound; TPOT rises once it is compute-bound",
 )
 for metric in metrics or []:
-    plot(f"batch sweep ({metric})", charts.batch_sweep, rows, metric=metric)
+    plot(f"batch sweep ({metric})", batch_sweep, rows, metric=metric)
 try:
-    st.info(charts.crossover_caption(rows))
-except charts.MissingColumns as exc:
+    st.info(crossover_caption(rows))
+except MissingColumns as exc:
     st.warning(f"crossover caption: {exc}")
 
 st.subheader("Observed knee beside the predicted B*")

@@ -1,0 +1,151 @@
+"""What every chart shares: its contract with the rows, the reading of their columns, labels, hovers, colours.
+
+Every chart (dashboard/charts/<page>.py) is a pure function from result rows (harness.results.load) to a plotly
+figure, in the column contract of harness.store.schema.COLUMNS (strategy_table: a DataFrame; crossover_caption: a
+string). Nothing here imports Streamlit or torch, so each chart is unit-tested on synthetic frames.
+
+Rows come from many schema versions and many outcomes, so every chart:
+  - raises MissingColumns, before any work, when a column it cannot do without is absent or entirely null;
+  - plots only status == "ok" rows (memory_ledger: ok and oom), and with none left returns a figure that says
+    "no ok rows" instead of failing;
+  - reads numbers through `numbers()`, so nullable Int64/boolean columns and None cells become float NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.colors import qualitative
+
+SCATTERGL_MIN_POINTS = 5000  # above this an SVG scatter makes the browser crawl; WebGL draws 100k points smoothly
+LOG2_DTICK = math.log10(2)  # a log axis with this dtick ticks at 1, 2, 4, 8, ...
+PALETTE = qualitative.Plotly
+NO_OK_ROWS = "no ok rows"
+LABEL_FORMATS = {"batch_size": "batch {}", "prompt_len": "prompt {}", "gen_len": "gen {}", "max_memory_gb": "{} GiB"}
+
+
+class MissingColumns(ValueError):
+    """A chart's required columns are absent or entirely null in the rows given; str(exc) is one line:
+    'needs columns: a, b' (the missing ones)."""
+
+
+# --------------------------------------------------------------------------------------------------------- helpers
+
+
+def require(rows: pd.DataFrame, columns: list[str] | tuple[str, ...]) -> None:
+    """Raise MissingColumns naming each of `columns` that is absent, or null in every row (an empty frame that has
+    the columns passes: it draws as "no ok rows")."""
+    missing = [c for c in columns if c not in rows.columns or (len(rows) > 0 and rows[c].isna().all())]
+    if missing:
+        raise MissingColumns(f"needs columns: {', '.join(missing)}")
+
+
+def ok_rows(rows: pd.DataFrame, columns: tuple[str, ...] | list[str] | None = None) -> pd.DataFrame:
+    """The rows whose status is ok (every row when there is no status column); with `columns`, only those of them
+    that exist: a chart narrows first, so it never copies a hundred columns of 100k rows it does not draw."""
+    if columns is not None:
+        rows = rows[[c for c in dict.fromkeys(["status", *columns]) if c in rows.columns]]
+    if "status" not in rows.columns:
+        return rows
+    # A fresh index: frames concatenated without ignore_index repeat labels, and the charts select by label.
+    return rows[rows["status"].eq("ok").fillna(False).astype(bool).to_numpy()].reset_index(drop=True)
+
+
+def numbers(rows: pd.DataFrame, column: str) -> pd.Series:
+    """`column` as float64 with NaN for nulls (Int64, boolean, None, text); all NaN when the column is absent."""
+    if column not in rows.columns:
+        return pd.Series(np.nan, index=rows.index, dtype="float64")
+    return pd.to_numeric(rows[column], errors="coerce").astype("float64")
+
+
+def format_number(value: float) -> str:
+    """Integers as they are (thousands separated from 10,000), other values to 3 significant digits."""
+    if not math.isfinite(value):
+        return "inf" if value > 0 else ("-inf" if value < 0 else "nan")
+    if float(value).is_integer():
+        return f"{int(value):,}" if abs(value) >= 10_000 else str(int(value))
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.3g}"
+
+
+def texts(rows: pd.DataFrame, column: str) -> pd.Series:
+    """`column` as display strings, "-" for nulls; numbers through format_number. Formats each distinct value
+    once, so it stays fast on 100k rows."""
+    if column not in rows.columns:
+        return pd.Series("-", index=rows.index, dtype=object)
+    values = rows[column]
+    if pd.api.types.is_bool_dtype(values.dtype) or not pd.api.types.is_numeric_dtype(values.dtype):
+        return values.astype(object).where(values.notna(), "-").astype(str)
+    as_float = values.astype("float64")
+    mapping = {value: format_number(value) for value in as_float.dropna().unique()}
+    formatted = as_float.map(mapping).astype(object)  # object first: an all-null column maps to float NaN
+    return formatted.where(formatted.notna(), "-").astype(str)
+
+
+def labels(rows: pd.DataFrame, keys: tuple[str, ...], *, always: tuple[str, ...] = ()) -> pd.Series:
+    """A short label per row naming the `keys` that take more than one value among `rows` (plus `always`): the
+    text ones as words, then the quantities, e.g. "small bf16 contiguous, prompt 512"."""
+    words, quantities = [], []
+    for key in keys:
+        if key not in rows.columns or (key not in always and rows[key].nunique(dropna=False) <= 1):
+            continue
+        text = texts(rows, key)
+        if key in LABEL_FORMATS:
+            prefix, suffix = LABEL_FORMATS[key].split("{}")
+            quantities.append(prefix + text + suffix)
+        else:
+            words.append(text)
+    label = pd.Series("", index=rows.index, dtype=object)
+    for i, part in enumerate(words):
+        label = part if i == 0 else label + " " + part
+    for part in quantities:
+        label = label.where(label == "", label + ", ") + part
+    return label.astype(str)
+
+
+def hover_groups(
+    points: pd.DataFrame, *, text_fields: tuple[str, ...], number_fields: tuple[str, ...]
+) -> list[tuple[pd.DataFrame, str, np.ndarray | None]]:
+    """The points split by the values of their text fields, each part with a hovertemplate that names those values
+    once and shows the number fields per point from customdata: [(part, hovertemplate, customdata)].
+
+    For charts of many points: plotly sends a numeric array as packed binary, but a string per point as JSON text
+    (100k points × 9 fields: over 50 MB for the browser to parse). Parts come in sorted order of their text values."""
+    numbers_template = "".join(f"<br>{field}: %{{customdata[{i}]:.4g}}" for i, field in enumerate(number_fields))
+    if not text_fields:
+        groups = [((), np.arange(len(points)))]
+    else:
+        keys = pd.DataFrame({field: texts(points, field) for field in text_fields}, index=points.index)
+        groups = sorted(keys.groupby(list(text_fields), sort=False).indices.items())
+    parts = []
+    for values, positions in groups:
+        values = values if isinstance(values, tuple) else (values,)
+        part = points.iloc[positions]
+        header = "<br>".join(f"{field}: {value}" for field, value in zip(text_fields, values, strict=True))
+        customdata = (
+            np.column_stack([numbers(part, field).to_numpy(np.float32) for field in number_fields])
+            if number_fields
+            else None
+        )
+        parts.append((part, header + numbers_template, customdata))
+    return parts
+
+
+def message_figure(*, title: str, x_title: str, y_title: str, message: str = NO_OK_ROWS) -> go.Figure:
+    """An empty chart that says why it is empty; still a valid figure for st.plotly_chart."""
+    fig = go.Figure()
+    fig.add_annotation(text=message, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False, font_size=16)
+    fig.update_layout(title_text=title, xaxis_title_text=x_title, yaxis_title_text=y_title)
+    return fig
+
+
+def scatter_class(n_points: int) -> type[go.Scatter] | type[go.Scattergl]:
+    return go.Scattergl if n_points > SCATTERGL_MIN_POINTS else go.Scatter
+
+
+def colour(i: int) -> str:
+    return PALETTE[i % len(PALETTE)]

@@ -1,0 +1,97 @@
+"""The latency page's charts: time to first token against the prompt, each decode step, and TPOT's spread."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from dashboard.charts.common import LOG2_DTICK, colour, labels, message_figure, numbers, ok_rows, require, texts
+
+
+def ttft_vs_prompt(rows: pd.DataFrame) -> go.Figure:
+    """TTFT against prompt length (log2 x), one line per (cache, batch_size), the median where points repeat."""
+    require(rows, ["prompt_len", "ttft_ms"])
+    title = "Time to first token against prompt length"
+    x_title, y_title = "prompt length (tokens)", "time to first token (ms)"
+    ok = ok_rows(rows)
+    points = pd.DataFrame({"prompt_len": numbers(ok, "prompt_len"), "ttft_ms": numbers(ok, "ttft_ms")})
+    points["line"] = texts(ok, "cache") + ", batch " + texts(ok, "batch_size")
+    points = points[(points["prompt_len"] > 0) & points["ttft_ms"].notna()]
+    if points.empty:
+        return message_figure(title=title, x_title=x_title, y_title=y_title)
+    fig = go.Figure()
+    for i, (line, group) in enumerate(points.groupby("line", sort=True)):
+        per_prompt = group.groupby("prompt_len")["ttft_ms"].median().sort_index()
+        fig.add_trace(
+            go.Scatter(x=per_prompt.index, y=per_prompt, mode="lines+markers", name=line, line=dict(color=colour(i)))
+        )
+    fig.update_layout(
+        title_text=title,
+        xaxis=dict(type="log", dtick=LOG2_DTICK, title_text=x_title),
+        yaxis_title_text=y_title,
+    )
+    return fig
+
+
+def _steps(value: object) -> list[float] | None:
+    """An itl_ms cell as a list of floats; None for a null or empty cell."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    steps = [float(v) for v in value]
+    return steps or None
+
+
+def itl_curves(rows: pd.DataFrame, *, max_lines: int = 12) -> go.Figure:
+    """Each decode step's latency against its index, one line per ok row (at most max_lines, the longest prompts
+    first): flat-ish with a cache, growing with the step under cache "none" (it recomputes the whole prefix)."""
+    require(rows, ["itl_ms"])
+    title = "Inter-token latency per decode step"
+    x_title, y_title = "decode step", "inter-token latency (ms)"
+    ok = ok_rows(rows)
+    has_steps = ok["itl_ms"].map(lambda value: _steps(value) is not None).astype(bool)
+    ok = ok[has_steps.to_numpy()]
+    if ok.empty:
+        return message_figure(title=title, x_title=x_title, y_title=y_title)
+    order = pd.DataFrame({"prompt_len": numbers(ok, "prompt_len"), "batch_size": numbers(ok, "batch_size")})
+    chosen = ok.loc[order.sort_values(["prompt_len", "batch_size"], ascending=False, kind="stable").index[:max_lines]]
+    keys = ("model", "dtype", "kv_dtype", "cache", "prompt_len", "batch_size")
+    names = labels(chosen, keys, always=tuple(key for key in ("cache", "prompt_len", "batch_size") if key in chosen))
+    fig = go.Figure()
+    for i, (name, value) in enumerate(zip(names, chosen["itl_ms"], strict=True)):
+        steps = _steps(value)
+        fig.add_trace(
+            go.Scatter(
+                x=np.arange(1, len(steps) + 1),
+                y=steps,
+                mode="lines",
+                name=name,
+                line=dict(color=colour(i)),
+            )
+        )
+    fig.update_layout(title_text=title, xaxis_title_text=x_title, yaxis_title_text=y_title)
+    return fig
+
+
+def tpot_percentiles(rows: pd.DataFrame) -> go.Figure:
+    """Median, p90 and p99 TPOT over repeats as grouped bars, one group per point."""
+    require(rows, ["tpot_ms"])
+    title = "Time per output token: median, p90 and p99 over repeats"
+    x_title, y_title = "point", "time per output token (ms)"
+    ok = ok_rows(rows)
+    ok = ok[numbers(ok, "tpot_ms").notna().to_numpy()]
+    if ok.empty:
+        return message_figure(title=title, x_title=x_title, y_title=y_title)
+    keys = ("model", "dtype", "kv_dtype", "cache", "batch_size", "prompt_len", "gen_len")
+    ok = ok.sort_values([key for key in keys if key in ok.columns], kind="stable")
+    points = pd.DataFrame({c: numbers(ok, c) for c in ("tpot_ms", "tpot_p90_ms", "tpot_p99_ms")})
+    points["label"] = labels(ok, keys, always=("cache",) if "cache" in ok.columns else ()).replace("", "all rows")
+    per_point = points.groupby("label", sort=False).median()
+    fig = go.Figure()
+    for column, name in (("tpot_ms", "median"), ("tpot_p90_ms", "p90"), ("tpot_p99_ms", "p99")):
+        if per_point[column].notna().any():
+            fig.add_trace(go.Bar(x=per_point.index.to_list(), y=per_point[column], name=name))
+    fig.update_layout(title_text=title, barmode="group", xaxis_title_text=x_title, yaxis_title_text=y_title)
+    return fig

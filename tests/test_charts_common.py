@@ -1,0 +1,138 @@
+"""The rules every chart keeps (dashboard/charts/common.py): missing columns, no ok rows, titles, the reference
+results, nullable columns; and that the chart modules import without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+
+from dashboard.charts.common import MissingColumns
+from dashboard.charts.crossover import batch_sweep, crossover_caption
+from dashboard.charts.latency import itl_curves, tpot_percentiles, ttft_vs_prompt
+from dashboard.charts.memory import frontier, memory_ledger
+from dashboard.charts.profile import profile_shares, top_ops
+from dashboard.charts.roofline import roofline
+from dashboard.charts.strategies import strategy_pareto, strategy_table
+from harness import results
+from tests.charts_rows import REFERENCE, annotation_texts, frame, point, sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Each chart with the smallest call that draws it; frontier takes a frontier table, top_ops a top-ops table.
+FIGURES = {
+    "roofline": roofline,
+    "batch_sweep": batch_sweep,
+    "memory_ledger": memory_ledger,
+    "strategy_pareto": strategy_pareto,
+    "ttft_vs_prompt": ttft_vs_prompt,
+    "itl_curves": itl_curves,
+    "tpot_percentiles": tpot_percentiles,
+    "profile_shares": profile_shares,
+}
+EVERY_CHART = {
+    **FIGURES,
+    "frontier": frontier,
+    "strategy_table": strategy_table,
+    "top_ops": top_ops,
+}
+
+
+# --------------------------------------------------------------------------------------------------- common rules
+
+
+def test_missing_columns_names_exactly_the_missing_ones():
+    rows = frame(point()).drop(columns=["peak_tflops", "peak_bw_gbps"])
+    with pytest.raises(MissingColumns) as exc:
+        roofline(rows)
+    assert str(exc.value) == "needs columns: peak_bw_gbps, peak_tflops"
+
+
+def test_a_column_that_is_null_in_every_row_counts_as_missing():
+    rows = frame(point(achieved_tflops=None), point(achieved_tflops=None, batch_size=2))
+    with pytest.raises(MissingColumns, match="^needs columns: achieved_tflops$"):
+        roofline(rows)
+
+
+def test_missing_columns_is_a_value_error():
+    assert issubclass(MissingColumns, ValueError)
+
+
+@pytest.mark.parametrize("name", sorted(EVERY_CHART))
+def test_every_chart_raises_missing_columns_on_rows_without_its_columns(name):
+    with pytest.raises(MissingColumns, match="^needs columns: "):
+        EVERY_CHART[name](pd.DataFrame({"status": ["ok"], "unrelated": [1]}))
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_rows_none_of_which_is_ok_draw_a_figure_that_says_so(name):
+    rows = frame(point(status="error"), point(status="unsupported", batch_size=2))
+    fig = FIGURES[name](rows)
+    assert isinstance(fig, go.Figure)
+    assert "no ok rows" in annotation_texts(fig)
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_an_empty_results_folder_draws_a_figure_that_says_so(name, tmp_path):
+    assert "no ok rows" in annotation_texts(FIGURES[name](results.load(tmp_path)))
+
+
+def test_an_empty_results_folder_gives_an_empty_strategy_table(tmp_path):
+    assert strategy_table(results.load(tmp_path)).empty
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_every_figure_has_a_title_and_axis_titles_with_units_or_names(name):
+    fig = FIGURES[name](sweep({1: 10.0, 2: 10.0}))
+    assert fig.layout.title.text and fig.layout.xaxis.title.text and fig.layout.yaxis.title.text
+
+
+@pytest.fixture(scope="module")
+def reference() -> pd.DataFrame:
+    """The committed reference runs (results/reference), loaded once; no chart modifies its rows."""
+    return results.load(REFERENCE)
+
+
+@pytest.mark.parametrize("name", sorted(EVERY_CHART))
+def test_every_chart_draws_the_reference_results_or_names_what_they_lack(name, reference):
+    try:
+        out = EVERY_CHART[name](reference)
+    except MissingColumns as exc:
+        assert str(exc).startswith("needs columns: ")
+        return
+    if isinstance(out, go.Figure):
+        out.to_json()  # what st.plotly_chart sends to the browser
+    else:
+        assert isinstance(out, pd.DataFrame) and len(out) > 0
+
+
+def test_the_crossover_caption_of_the_reference_results_is_a_sentence(reference):
+    caption = crossover_caption(reference)
+    assert isinstance(caption, str) and caption.endswith(".")
+
+
+def test_nullable_integer_and_boolean_columns_and_null_cells_draw():
+    rows = sweep({1: 10.0, 2: 10.0, 4: 14.0})
+    rows.loc[len(rows)] = point(batch_size=8, tpot_ms=None, itl_ms=None, critical_batch=None)
+    rows = rows.astype({"batch_size": "Int64", "prompt_len": "Int64", "gen_len": "Int64", "weights_bytes": "Int64"})
+    rows["prefix_hit"] = pd.array([True, None, False, None], dtype="boolean")
+    rows.loc[3, "batch_size"] = pd.NA
+    for build in FIGURES.values():
+        build(rows).to_json()
+    assert "knee" in crossover_caption(rows)
+
+
+CHART_MODULES = ("common", "overview", "roofline", "crossover", "memory", "strategies", "latency", "profile")
+
+
+@pytest.mark.parametrize("module", CHART_MODULES)
+def test_a_chart_module_imports_without_torch(module):
+    # A fresh interpreter: this one has torch already (tests/conftest.py). torch costs the dashboard seconds at
+    # start-up and none of its charts needs it; only data.planner_kv_bytes imports it, inside, when called.
+    probe = f"import sys, dashboard.charts.{module}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
