@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from dashboard.charts.memory import frontier, memory_ledger
-from tests.charts_rows import GIB, frame, point, trace
+from dashboard.charts.memory import PLANNER_COLUMN, frontier, memory_ledger
+from tests.charts_rows import GIB, frame, point, trace, trace_names
 
 # --------------------------------------------------------------------------------------------------------- memory
 
@@ -30,9 +30,23 @@ def test_memory_ledger_stacks_weights_kv_and_other_in_gib_sorted_by_context_time
     assert list(trace(fig, "other (peak - baseline)").y[:2]) == [0.0, 4 - 0.25 - 2 - 0.5]
 
 
-def test_memory_ledger_marks_predicted_weights_plus_kv():
-    predicted = trace(memory_ledger(ledger_rows()), "predicted (weights + KV)")
+def test_memory_ledger_marks_the_analytic_formulas_weights_plus_kv_under_that_name():
+    # kv_bytes_predicted is B × S × bytes per token (harness/bench.py), not the planner: it says so in the legend.
+    predicted = trace(memory_ledger(ledger_rows()), "analytic formula (weights + KV)")
     assert list(predicted.y[:2]) == [2.5, 2.5]
+    assert not [name for name in trace_names(memory_ledger(ledger_rows())) if "planner" in name]  # none given
+
+
+def test_memory_ledger_marks_the_planners_weights_plus_kv_beside_the_formulas():
+    rows = ledger_rows().assign(**{PLANNER_COLUMN: [GIB, GIB, None, None]})  # as dashboard.data.planner_kv_bytes
+    fig = memory_ledger(rows)
+    assert list(trace(fig, "planner (weights + KV)").y[:2]) == [3.0, 3.0]
+    assert list(trace(fig, "analytic formula (weights + KV)").y[:2]) == [2.5, 2.5]
+
+
+def test_memory_ledger_without_any_cap_puts_an_oom_at_the_planners_prediction_before_the_formulas():
+    rows = ledger_rows(weights_bytes=2 * GIB, kv_bytes_predicted=GIB).assign(**{PLANNER_COLUMN: 2 * GIB})
+    assert list(trace(memory_ledger(rows), "OOM").y) == [4.0]
 
 
 def test_memory_ledger_draws_the_capacity_and_puts_ooms_on_it():

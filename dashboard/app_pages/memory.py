@@ -1,17 +1,19 @@
 """Memory ledger: where each point's memory went against the device's capacity, the measured OOM frontier beside
-the planner's, and the analytic KV size beside the bytes the cache really held."""
+the planner's, and the KV bytes of the analytic formula and of the planner beside those the cache really held."""
 
 import psutil
 import streamlit as st
 
 from dashboard import data
-from dashboard.charts.memory import frontier, memory_ledger
+from dashboard.charts.memory import PLANNER_COLUMN, frontier, memory_ledger
 from dashboard.sidebar import current, page_rows, plot
 
 GiB = 2**30
 
 st.title("Memory ledger")
 rows = page_rows()
+# The real planner's KV bytes for each row's workload (harness.capacity; it imports torch, on this page only).
+rows = rows.assign(**{PLANNER_COLUMN: data.planner_kv_bytes(rows)})
 
 
 def default_capacity_gib(rows) -> float | None:
@@ -49,17 +51,21 @@ if frontiers.empty:
 else:
     plot("OOM frontier", frontier, frontiers)
 
-st.subheader("KV bytes: planner vs measured")
+st.subheader("KV bytes: analytic formula, planner and measured")
 columns = ["model", "cache", "kv_dtype", "batch_size", "prompt_len", "gen_len", "kv_bytes_predicted"]
-columns += ["kv_bytes_allocated"]
+columns += [PLANNER_COLUMN, "kv_bytes_allocated"]
 ok = rows[(rows["status"] == "ok") & rows["kv_bytes_predicted"].notna()]
 kv = ok[columns].assign(
     predicted_mib=ok["kv_bytes_predicted"] / 2**20,
+    planner_mib=ok[PLANNER_COLUMN] / 2**20,
     allocated_mib=ok["kv_bytes_allocated"] / 2**20,
     allocated_over_predicted=ok["kv_bytes_allocated"] / ok["kv_bytes_predicted"],
+    allocated_over_planner=ok["kv_bytes_allocated"] / ok[PLANNER_COLUMN],
 )
 st.dataframe(kv, hide_index=True)
 st.caption(
-    "kv_bytes_predicted is the analytic 2 × layers × tokens × kv_heads × head_dim × bytes × batch; the cache's own "
-    "allocation adds scales, whole blocks or a window, and `none` keeps nothing."
+    "kv_bytes_predicted is the seed notes' analytic formula, 2 × layers × tokens × kv_heads × head_dim × bytes × "
+    "batch: no scales, no block rounding, no prefix sharing. kv_bytes_planner is the planner's figure for the row's "
+    "workload (harness.capacity: scales, whole blocks, a window, shared prefix blocks, int4's tail; `none` keeps "
+    "nothing); it is empty where the planner cannot stand for the row (a model that is not a preset here)."
 )

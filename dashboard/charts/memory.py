@@ -8,11 +8,18 @@ import plotly.graph_objects as go
 from dashboard.charts.common import LOG2_DTICK, colour, labels, message_figure, numbers, require, texts
 
 GIB_BYTES = 2**30
+# Not a stored column: the memory page adds the real planner's figure (dashboard.data.planner_kv_bytes) under it.
+PLANNER_COLUMN = "kv_bytes_planner"
+# kv_bytes_predicted is the seed notes' formula B × S × bytes per token (harness/bench.py): no scales, no block
+# rounding, no prefix sharing. The planner (harness.capacity) is what each strategy really allocates.
+ANALYTIC_NAME = "analytic formula (weights + KV)"
+PLANNER_NAME = "planner (weights + KV)"
 
 
 def memory_ledger(rows: pd.DataFrame, *, capacity_bytes: float | None = None) -> go.Figure:
-    """Stacked GiB per ok/oom point (weights, KV allocated, everything else at the peak), the analytic prediction as
-    markers, the device capacity as a line, OOM points as red crosses; x sorted by context × batch."""
+    """Stacked GiB per ok/oom point (weights, KV allocated, everything else at the peak), the analytic formula's
+    KV (kv_bytes_predicted) and, where the rows carry PLANNER_COLUMN, the planner's as markers, the device capacity
+    as a line, OOM points as red crosses; x sorted by context × batch."""
     require(rows, ["prompt_len", "gen_len", "batch_size", "weights_bytes", "kv_bytes_allocated"])
     title = "Memory ledger per point"
     x_title, y_title = "context × batch (tokens × sequences)", "memory (GiB)"
@@ -33,7 +40,8 @@ def memory_ledger(rows: pd.DataFrame, *, capacity_bytes: float | None = None) ->
             "weights": weights / GIB_BYTES,
             "kv": kv / GIB_BYTES,
             "other": other / GIB_BYTES,
-            "predicted": (weights + numbers(kept, "kv_bytes_predicted")) / GIB_BYTES,
+            "analytic": (weights + numbers(kept, "kv_bytes_predicted")) / GIB_BYTES,
+            "planner": (weights + numbers(kept, PLANNER_COLUMN)) / GIB_BYTES,
             "cap": numbers(kept, "max_memory_gb"),  # GiB: the cap the point's process ran under, if any
             "oom": status.loc[kept.index] == "oom",
             "error": texts(kept, "error"),
@@ -49,7 +57,8 @@ def memory_ledger(rows: pd.DataFrame, *, capacity_bytes: float | None = None) ->
         weights=("weights", "median"),
         kv=("kv", "median"),
         other=("other", "median"),
-        predicted=("predicted", "median"),
+        analytic=("analytic", "median"),
+        planner=("planner", "median"),
         cap=("cap", "median"),
         oom=("oom", "any"),
         error=("error", "first"),
@@ -62,16 +71,18 @@ def memory_ledger(rows: pd.DataFrame, *, capacity_bytes: float | None = None) ->
         fig.add_trace(
             go.Bar(x=x, y=ledger[column], name=name, hovertemplate=f"%{{x}}: %{{y:.3f}} GiB<extra>{name}</extra>")
         )
-    if ledger["predicted"].notna().any():
-        fig.add_trace(
-            go.Scatter(
-                x=x,
-                y=ledger["predicted"],
-                mode="markers",
-                name="predicted (weights + KV)",
-                marker=dict(symbol="diamond", size=10, color="black"),
+    for column, name, symbol in (("analytic", ANALYTIC_NAME, "diamond-open"), ("planner", PLANNER_NAME, "diamond")):
+        if ledger[column].notna().any():
+            fig.add_trace(
+                go.Scatter(
+                    x=x,
+                    y=ledger[column],
+                    mode="markers",
+                    name=name,
+                    marker=dict(symbol=symbol, size=10, color="black"),
+                    hovertemplate=f"%{{x}}: %{{y:.3f}} GiB<extra>{name}</extra>",
+                )
             )
-        )
     capacity_gib = None if capacity_bytes is None else capacity_bytes / GIB_BYTES
     if capacity_gib is not None:
         fig.add_shape(
@@ -99,12 +110,13 @@ def memory_ledger(rows: pd.DataFrame, *, capacity_bytes: float | None = None) ->
     oom = ledger[ledger["oom"]]
     if not oom.empty:
         # At the capacity it ran into: the device's when given, else the cap its process ran under. Failing both, at
-        # what it was predicted to need, or held; a failed row rarely records either, so else at the tallest bar.
+        # what it was predicted to need (the planner's figure, else the formula's), or held; a failed row rarely
+        # records either, so else at the tallest bar.
         held = ledger[["weights", "kv", "other"]].sum(axis=1, min_count=1)
         if capacity_gib is not None:
             y = pd.Series(capacity_gib, index=oom.index)
         else:
-            y = oom["cap"].fillna(oom["predicted"]).fillna(held.loc[oom.index]).fillna(held.max())
+            y = oom["cap"].fillna(oom["planner"]).fillna(oom["analytic"]).fillna(held.loc[oom.index]).fillna(held.max())
         fig.add_trace(
             go.Scatter(
                 x=oom.index.to_list(),
