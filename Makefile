@@ -78,7 +78,7 @@ screenshot: setup ## Re-take the README's roofline screenshot in headless chromi
 	$(BIN)/python -m dashboard.browser --page roofline --out dashboard/roofline.png
 
 bench-dashboard: setup ## Time every dashboard page over 100k rows (AppTest and headless chromium); prints a table
-	$(BIN)/python -m dashboard.bench --browser $(ARGS)
+	$(BIN)/python -m dashboard.page_timing --browser $(ARGS)
 
 bench: setup ## Our decode loop against transformers' generate(): same weights, interleaved rounds; prints the table
 	$(BIN)/python -m experiments.bench $(ARGS)

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
+
 log = logging.getLogger(__name__)
 
 APP = Path(__file__).with_name("app.py")
@@ -159,6 +161,20 @@ def visit_all(results_dir: str | Path, *, pages=PAGES, screenshots: Path | None 
         ]
 
 
+def report_table(reports: list[PageReport]) -> str:
+    """One line per page visited: ok or FAIL, the plotly charts drawn, the seconds to draw them, the errors shown."""
+    table = pd.DataFrame(
+        {
+            "page": [report.name for report in reports],
+            "status": ["ok" if report.ok else "FAIL" for report in reports],
+            "charts": [report.charts for report in reports],
+            "seconds": [report.seconds for report in reports],
+            "errors": [str(report.errors) for report in reports],
+        }
+    )
+    return table.to_string(index=False, float_format="{:.1f}".format)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dashboard.browser", description=__doc__.splitlines()[0])
     parser.add_argument("--results", default=str(REPO / "results" / "reference"), help="results directory to show")
@@ -170,9 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     pages = (args.page,) if args.page else PAGES
     with tempfile.TemporaryDirectory() as shots:
         reports = visit_all(args.results, pages=pages, screenshots=Path(shots))
-        for report in reports:
-            status = "ok" if report.ok else "FAIL"
-            print(f"{report.name:<12} {status:<5} {report.charts} charts  {report.seconds:5.1f} s  {report.errors}")
+        print(report_table(reports))
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_bytes(reports[0].screenshot.read_bytes())

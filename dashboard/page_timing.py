@@ -8,8 +8,8 @@ cold (the first page also pays for reading the file; the loaders are cached afte
 a filter changes). With --browser, each page is also timed in headless chromium, until its charts have drawn, and
 again over 100 rows: that floor (page load, websocket, first run) is what any page costs in that browser here.
 
-    python -m dashboard.bench                    # = make bench-dashboard
-    python -m dashboard.bench --rows 20000 --browser
+    python -m dashboard.page_timing                    # = make bench-dashboard
+    python -m dashboard.page_timing --rows 20000 --browser
 """
 
 from __future__ import annotations
@@ -62,9 +62,12 @@ def synthetic_rows(n_rows: int, *, source: Path = browser.REPO / "results" / "re
 
 
 def write_rows(rows: pd.DataFrame, directory: Path) -> Path:
+    """The rows as one parquet file in the current schema. Only its columns: the reference rows load with the
+    columns older schemas had too (sm_clock_mhz_start, ...), which the schema's cast would refuse."""
     path = directory / "bench-rows.parquet"
-    table = pa.Table.from_pandas(rows, preserve_index=False)
-    pq.write_table(table.cast(results.arrow_schema()), path)
+    schema = results.arrow_schema()
+    table = pa.Table.from_pandas(rows[schema.names], preserve_index=False)
+    pq.write_table(table.cast(schema), path)
     return path
 
 
@@ -86,8 +89,32 @@ def time_pages(results_dir: Path) -> list[dict]:
     return lines
 
 
+def timing_table(lines: list[dict]) -> str:
+    """time_pages' lines (with browser_s and floor_s where measured) as a table: seconds to 2 decimals, "-" where
+    not measured, and whether the server's slower run stays under TARGET_S (or the page's first error)."""
+    verdict_column = f"server under {TARGET_S:.0f} s"
+    table = pd.DataFrame(
+        {
+            "page": [line["page"] for line in lines],
+            "cold s": [line["cold_s"] for line in lines],
+            "warm s": [line["warm_s"] for line in lines],
+            # float64 even when no page was timed there: a null is NaN, which prints as na_rep
+            "browser s": pd.Series([line.get("browser_s") for line in lines], dtype="float64"),
+            "floor s": pd.Series([line.get("floor_s") for line in lines], dtype="float64"),
+            verdict_column: [_verdict(line) for line in lines],
+        }
+    )
+    return table.to_string(index=False, float_format="{:.2f}".format, na_rep="-")
+
+
+def _verdict(line: dict) -> str:
+    if line["errors"]:
+        return "error: " + line["errors"][0]
+    return "yes" if max(line["cold_s"], line["warm_s"]) < TARGET_S else "NO"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dashboard.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m dashboard.page_timing", description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=100_000, help="rows to render (default 100000)")
     parser.add_argument("--browser", action="store_true", help="also time each page in headless chromium")
     args = parser.parse_args(argv)
@@ -107,13 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             write_rows(synthetic_rows(FLOOR_ROWS), Path(tmp))
             for report in browser.visit_all(tmp):
                 next(line for line in lines if line["page"] == report.name)["floor_s"] = report.seconds
-    print(f"\n{'page':<12} {'cold s':>7} {'warm s':>7} {'browser s':>10} {'floor s':>8}  server under {TARGET_S:.0f} s")
-    for line in lines:
-        browser_s = f"{line['browser_s']:10.2f}" if "browser_s" in line else f"{'-':>10}"
-        floor_s = f"{line['floor_s']:8.2f}" if "floor_s" in line else f"{'-':>8}"
-        worst = max(line["cold_s"], line["warm_s"])
-        verdict = "error: " + line["errors"][0] if line["errors"] else ("yes" if worst < TARGET_S else "NO")
-        print(f"{line['page']:<12} {line['cold_s']:7.2f} {line['warm_s']:7.2f} {browser_s} {floor_s}  {verdict}")
+    print("\n" + timing_table(lines))
     print(
         "cold: the page's first script run (the first page also reads the file); warm: a rerun, as on a filter "
         "change.\nbrowser: headless chromium, from navigation until the script has finished and every chart has "
