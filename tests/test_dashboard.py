@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -21,8 +19,7 @@ from dashboard import data, sidebar
 from harness import results
 from harness.store.schema import PROFILE_CATEGORIES
 
-REPO = Path(__file__).resolve().parents[1]
-APP = str(REPO / "dashboard" / "app.py")
+APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 PAGES = ("overview", "roofline", "memory", "strategies", "latency", "profile")
 NO_RESULTS_COMMANDS = ("make run", "python -m experiments.decode experiment=quickstart")
 TIMEOUT_S = 30  # one run on 2 busy cores; AppTest's default is 3 s
@@ -30,7 +27,6 @@ KNEE_SWEEP = "fixture-crossover"
 KNEE_BATCHES = (1, 4, 16)
 COMMITTED_REFERENCE = data.REFERENCE_DIR  # results/reference: real rows of three sweeps
 QUICKSTART_SWEEP = "20261201-011418"  # results/reference/cpu-quickstart: none, contiguous, paged × 3 prompts
-STRATEGIES_SWEEP = "20261130-234921"  # results/reference/cpu-strategies: every cache × kv_dtype, prompt 160
 NEWER_COLUMNS = [  # what a row of an older schema lacks (written as nulls)
     "arithmetic_intensity",
     "achieved_tflops",
@@ -289,88 +285,6 @@ def test_csv_bytes_has_one_line_per_row_and_itl_ms_as_json():
     assert back["point_id"].tolist() == rows["point_id"].tolist()
     assert back["itl_ms"].isna().tolist() == [True, True, False, False]
     assert json.loads(back["itl_ms"].iloc[2]) == rows["itl_ms"].iloc[2]
-
-
-# ---------------------------------------------------------------------------------------------------- the planner
-
-
-def strategy_row(cache: str, kv_dtype: str) -> pd.DataFrame:
-    rows = reference_rows()
-    chosen = rows[(rows["sweep_id"] == STRATEGIES_SWEEP) & (rows["cache"] == cache) & (rows["kv_dtype"] == kv_dtype)]
-    assert len(chosen) == 1 and chosen["status"].iloc[0] == "ok"
-    return chosen
-
-
-def test_the_planners_kv_bytes_are_what_each_cache_allocated_in_every_fixed_length_reference_row():
-    rows = reference_rows()
-    fixed = rows[(rows["status"] == "ok") & (rows["lengths"] == "fixed")]
-    assert set(fixed["cache"]) == {"none", "contiguous", "paged", "sliding", "prefix"}
-    assert data.planner_kv_bytes(fixed).tolist() == fixed["kv_bytes_allocated"].tolist()
-
-
-@pytest.mark.parametrize(
-    ("cache", "kv_dtype", "why"),
-    [
-        ("paged", "fp32", "whole blocks: 168 tokens take 11 blocks of 16"),
-        ("contiguous", "int8", "an fp32 scale per token and head"),
-        ("prefix", "bf16", "the 128-token prefix held once for the batch"),
-        ("paged", "int4", "packed nibbles, per-group scales and zero points, and the full-precision tail"),
-        ("sliding", "fp32", "a window of 128 tokens, not prompt + gen"),
-    ],
-)
-def test_the_planner_differs_from_the_analytic_formula_where_the_layout_does(cache, kv_dtype, why):
-    row = strategy_row(cache, kv_dtype)
-    planned = data.planner_kv_bytes(row).iloc[0]
-    assert planned == row["kv_bytes_allocated"].iloc[0]
-    assert planned != row["kv_bytes_predicted"].iloc[0], why
-
-
-def test_the_planner_agrees_with_the_analytic_formula_for_plain_contiguous_storage():
-    row = strategy_row("contiguous", "fp32")
-    assert data.planner_kv_bytes(row).iloc[0] == row["kv_bytes_predicted"].iloc[0] == row["kv_bytes_allocated"].iloc[0]
-
-
-def test_the_planner_reads_the_rows_n_kv_heads():
-    row = strategy_row("contiguous", "fp32")
-    assert row["n_kv_heads"].iloc[0] == 4
-    assert data.planner_kv_bytes(row.assign(n_kv_heads=2)).iloc[0] == row["kv_bytes_allocated"].iloc[0] // 2
-
-
-@pytest.mark.parametrize(
-    "change",
-    [
-        dict(model="my-finetune"),  # a checkpoint's name: its config.json is not here to read
-        dict(n_layers=24),  # a checkpoint named like a preset but shaped otherwise
-        dict(lengths="mixed"),  # the pool held the drawn lengths, which the row does not record
-        dict(cache=None),  # a row of a schema without the column
-    ],
-    ids=["not a preset", "other shapes", "mixed lengths", "no cache"],
-)
-def test_a_row_the_planner_cannot_stand_for_gets_no_figure_not_a_guess(change):
-    row = strategy_row("paged", "fp32")
-    assert data.planner_kv_bytes(row.assign(**change)).isna().all()
-
-
-def test_the_planner_figure_of_a_mixed_length_reference_row_is_missing():
-    rows = reference_rows()
-    mixed = rows[rows["lengths"] == "mixed"]
-    assert len(mixed) == 2 and data.planner_kv_bytes(mixed).isna().all()
-
-
-def test_the_planner_plans_each_distinct_workload_of_many_rows_and_keeps_their_order():
-    rows = reference_rows()
-    fixed = rows[(rows["status"] == "ok") & (rows["lengths"] == "fixed")]
-    many = fixed.iloc[::-1].loc[fixed.index.repeat(3)[::-1]]  # repeated labels, reversed
-    assert data.planner_kv_bytes(many).tolist() == many["kv_bytes_allocated"].tolist()
-    assert data.planner_kv_bytes(many).index.equals(many.index)
-
-
-def test_the_dashboards_loaders_import_without_torch():
-    # A fresh interpreter (this one has torch: tests/conftest.py). harness.capacity imports torch, so
-    # planner_kv_bytes imports it only when called: every page but the memory page starts without it.
-    probe = "import sys, dashboard.data, dashboard.sidebar; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
 
 
 # ---------------------------------------------------------------------------------------------------- the pages
