@@ -1,4 +1,5 @@
-"""What the dashboard reads: result rows, capacity frontiers and profiler tables, as cached pandas loaders.
+"""What the dashboard reads: result rows, capacity frontiers and profiler tables, as cached pandas loaders; and the
+real planner's KV bytes for each row's workload (planner_kv_bytes).
 
 Plain functions, testable without a running app. Every cached loader is keyed on the (path, mtime, size) of the
 files it reads, so a point written while the app is open shows up on the next rerun, and nothing is read twice.
