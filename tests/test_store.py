@@ -111,6 +111,13 @@ def test_the_frontier_contract_names_every_column_the_capacity_experiment_writes
     assert all(column.description for column in FRONTIER_COLUMNS)
 
 
+def test_the_committed_reference_frontiers_follow_the_contract():
+    references = sorted((ROOT / "results" / "reference" / "capacity").glob(f"{disk.FRONTIER_PREFIX}*.parquet"))
+    assert references
+    for reference in references:
+        assert pq.read_schema(reference).names == [column.name for column in FRONTIER_COLUMNS], reference
+
+
 def test_write_frontier_rejects_a_column_outside_the_contract(tmp_path):
     with pytest.raises(ValueError, match="unknown frontier column 'max_batch_guess'; allowed: model, device"):
         disk.write_frontier(capacity_frontier().assign(max_batch_guess=3), tmp_path)
