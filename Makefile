@@ -63,8 +63,8 @@ lint: setup ## ruff lint and format check
 clean-results: ## Delete user results (keeps results/reference/)
 	find results -mindepth 1 -maxdepth 1 ! -name reference ! -name .gitkeep -exec rm -rf {} +
 
-docs: setup ## Regenerate the README's column table from harness/results.py
-	$(BIN)/python -c "import re, pathlib; from harness.results import columns_markdown as c; p = pathlib.Path('README.md'); \
+docs: setup ## Regenerate the README's column table from harness/store/schema.py
+	$(BIN)/python -c "import re, pathlib; from harness.store.schema import columns_markdown as c; p = pathlib.Path('README.md'); \
 	p.write_text(re.sub(r'<!-- columns:start -->.*?<!-- columns:end -->', lambda m: '<!-- columns:start -->\n' + c() + '<!-- columns:end -->', p.read_text(), flags=re.S))"
 
 ceilings: setup ## Measure (once per device) the bandwidth and matmul peaks the roofline columns use

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from harness import results
+from harness.store import disk, schema
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ REFERENCE_DIR = REPO_ROOT / "results" / "reference"  # committed reference runs
 SOURCE_RESULTS, SOURCE_REFERENCE = "results", "reference"  # the `source` column's values
 FILTER_COLUMNS = ("device", "model", "cache", "kv_dtype", "dtype", "sweep_id")  # the sidebar's multiselects
 NULL_LABEL = "(none)"  # how a null value of a filter column is offered and selected
-_LIST_COLUMNS = tuple(column.name for column in results.COLUMNS if column.type.startswith("list<"))
+_LIST_COLUMNS = tuple(column.name for column in schema.COLUMNS if column.type.startswith("list<"))
 
 Fingerprint = tuple[tuple[str, int, int], ...]  # (path, mtime_ns, size) of every file a loader reads
 
@@ -89,16 +89,16 @@ def _load_rows(sources: tuple[str, ...], stamps: Fingerprint) -> tuple[pd.DataFr
             frames.append(frame.assign(source=label))
     frames = [frame for frame in frames if len(frame)]
     if not frames:
-        return results.arrow_schema().empty_table().to_pandas().assign(source=pd.Series(dtype=str)), skipped
+        return schema.arrow_schema().empty_table().to_pandas().assign(source=pd.Series(dtype=str)), skipped
     rows = pd.concat(frames, ignore_index=True)
     rows = rows.drop_duplicates(subset=["point_id", "sweep_id", "source"], keep="last", ignore_index=True)
     return rows, list(dict.fromkeys(skipped))
 
 
 def _load_tree(root: Path, *, exclude: Path | None, skipped: list[str]) -> list[pd.DataFrame]:
-    """results.load(root), less the `exclude` subtree when it lies inside root."""
+    """disk.load(root), less the `exclude` subtree when it lies inside root."""
     if exclude is None or not root.is_dir() or not exclude.is_relative_to(root):
-        return [results.load(root, skipped=skipped)]
+        return [disk.load(root, skipped=skipped)]
     frames = []
     for child in sorted(root.iterdir()):
         if child.name.startswith(".") or child.resolve() == exclude:
@@ -107,7 +107,7 @@ def _load_tree(root: Path, *, exclude: Path | None, skipped: list[str]) -> list[
             frames += _load_tree(child, exclude=exclude, skipped=skipped)
         elif _is_row_file(child):
             try:
-                frames.append(results.load(child))
+                frames.append(disk.load(child))
             except (ValueError, OSError) as exc:  # load() raises for a single bad file; a folder's it skips
                 log.warning("skipped %s", exc)
                 skipped.append(str(exc))
@@ -117,9 +117,7 @@ def _load_tree(root: Path, *, exclude: Path | None, skipped: list[str]) -> list[
 def _is_row_file(path: Path) -> bool:
     name = path.name
     return (
-        name.endswith(".parquet")
-        and not name.endswith(results.OPS_SUFFIX)
-        and not name.startswith(results.FRONTIER_PREFIX)
+        name.endswith(".parquet") and not name.endswith(disk.OPS_SUFFIX) and not name.startswith(disk.FRONTIER_PREFIX)
     )
 
 
@@ -152,7 +150,7 @@ def filter_options(rows: pd.DataFrame, column: str) -> list[str]:
 def load_frontiers(sources: tuple[str, ...]) -> pd.DataFrame:
     """Every capacity OOM-frontier table (capacity/frontier-<time>.parquet) under the sources, concatenated, with
     `source` and `frontier_file` columns; unreadable tables are skipped with a logged warning."""
-    return _load_frontiers(sources, _fingerprint(sources, f"{results.FRONTIER_PREFIX}*.parquet"))
+    return _load_frontiers(sources, _fingerprint(sources, f"{disk.FRONTIER_PREFIX}*.parquet"))
 
 
 @st.cache_data(show_spinner=False)
@@ -173,8 +171,8 @@ def _load_frontiers(sources: tuple[str, ...], stamps: Fingerprint) -> pd.DataFra
 
 def points_with_ops(sources: tuple[str, ...]) -> list[str]:
     """The point_ids that have a profiler top-ops table (<point_id>.ops.parquet) under the sources."""
-    names = (Path(path).name for path, _, _ in _fingerprint(sources, f"*{results.OPS_SUFFIX}"))
-    return sorted({name.removesuffix(results.OPS_SUFFIX) for name in names})
+    names = (Path(path).name for path, _, _ in _fingerprint(sources, f"*{disk.OPS_SUFFIX}"))
+    return sorted({name.removesuffix(disk.OPS_SUFFIX) for name in names})
 
 
 def load_point_ops(sources: tuple[str, ...], point_id: str, *, sweep_id: str | None = None) -> pd.DataFrame | None:
@@ -183,7 +181,7 @@ def load_point_ops(sources: tuple[str, ...], point_id: str, *, sweep_id: str | N
     A point rerun in another sweep has the same point_id: the table in the sweep's own folder
     (<results_dir>/<sweep_id>/) is preferred, else the newest.
     """
-    return _load_point_ops(_fingerprint(sources, f"{point_id}{results.OPS_SUFFIX}"), sweep_id)
+    return _load_point_ops(_fingerprint(sources, f"{point_id}{disk.OPS_SUFFIX}"), sweep_id)
 
 
 @st.cache_data(show_spinner=False)
@@ -307,7 +305,7 @@ def _planner_kv_bytes(workloads: tuple[tuple, ...]) -> list[int | None]:
 
 
 def csv_bytes(rows: pd.DataFrame) -> bytes:
-    """CSV of the rows; a list cell (itl_ms) is written as its JSON text, as harness.results.export does."""
+    """CSV of the rows; a list cell (itl_ms) is written as its JSON text, as harness.store.maintain.export does."""
     frame = rows.copy()
     for column in _LIST_COLUMNS:
         if column in frame.columns:
@@ -320,7 +318,7 @@ def _json_list(value: object) -> str | None:
 
 
 def parquet_bytes(rows: pd.DataFrame) -> bytes:
-    """Parquet of the rows, readable by harness.results.load (itl_ms stays a list of floats)."""
+    """Parquet of the rows, readable by harness.store.disk.load (itl_ms stays a list of floats)."""
     buffer = io.BytesIO()
     rows.to_parquet(buffer, index=False)
     return buffer.getvalue()

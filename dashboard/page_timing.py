@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dashboard import browser
-from harness import results
+from harness.store import disk, schema
 
 TARGET_S = 3.0  # the issue's budget per page at 100k rows
 FLOOR_ROWS = 100  # the browser's floor: the same page over this many rows (page load, websocket, first script run)
@@ -43,7 +43,7 @@ JITTERED = (  # measured columns the synthetic copies vary (TPOT and throughput 
 
 def synthetic_rows(n_rows: int, *, source: Path = browser.REPO / "results" / "reference") -> pd.DataFrame:
     """The reference rows repeated to n_rows, each copy a distinct point in one of n_rows // 1000 + 1 sweeps."""
-    base = results.load(source)
+    base = disk.load(source)
     base = base[base["status"] == "ok"].reset_index(drop=True)
     if base.empty:
         raise SystemExit(f"no ok rows under {source} to replicate")
@@ -65,9 +65,9 @@ def write_rows(rows: pd.DataFrame, directory: Path) -> Path:
     """The rows as one parquet file in the current schema. Only its columns: the reference rows load with the
     columns older schemas had too (sm_clock_mhz_start, ...), which the schema's cast would refuse."""
     path = directory / "bench-rows.parquet"
-    schema = results.arrow_schema()
-    table = pa.Table.from_pandas(rows[schema.names], preserve_index=False)
-    pq.write_table(table.cast(schema), path)
+    arrow = schema.arrow_schema()
+    table = pa.Table.from_pandas(rows[arrow.names], preserve_index=False)
+    pq.write_table(table.cast(arrow), path)
     return path
 
 

@@ -20,10 +20,11 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness import results, runner, versus
+from harness import runner, versus
 from harness.bench import config_columns, environment_columns
 from harness.config import DEVICES, DTYPES, RunConfig
 from harness.errors import ConfigError
+from harness.store import disk
 
 log = logging.getLogger("kvbench")
 
@@ -199,7 +200,7 @@ def run(cases: list[RunConfig], *, rounds: int, out_dir: Path) -> list[dict]:
                 log.exception("case %s %s batch %d failed", args.name, cfg.dtype, cfg.batch_size)
                 case_rows = failure_rows(cfg, exc)
             for row in case_rows:
-                results.write_point(row | {"sweep_id": out_dir.name}, out_dir)
+                disk.write_point(row | {"sweep_id": out_dir.name}, out_dir)
             rows += case_rows
     return rows
 

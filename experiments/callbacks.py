@@ -15,9 +15,10 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from harness import crossover, results
+from harness import crossover
 from harness.config import RunConfig
 from harness.errors import ConfigError
+from harness.store import disk, summary
 from harness.sweep import SKIPPED
 
 log = logging.getLogger("kvbench")
@@ -64,10 +65,10 @@ class SweepProgress(Callback):
         """The row of every point of this sweep: those measured now and those a resume found recorded earlier. A
         launcher that runs jobs elsewhere (submitit) returns no paths here: then the sweep folder's rows."""
         if not self.rows:
-            return results.load(self.sweep_dir)
+            return disk.load(self.sweep_dir)
         frames = []
         for point_id, path in self.rows:
-            rows = results.load(path)
+            rows = disk.load(path)
             frames.append(rows[rows["point_id"] == point_id].tail(1))
         return pd.concat(frames, ignore_index=True)
 
@@ -90,7 +91,7 @@ class SweepProgress(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         table = self.sweep_rows()
-        print(results.format_summary(table))
+        print(summary.format_summary(table))
         failed = table[table["status"] != "ok"]
         elapsed_s = time.perf_counter() - self.started
         print(f"\n{len(table)} points in {elapsed_s:.0f} s, {len(failed)} not ok -> {self.sweep_dir}")

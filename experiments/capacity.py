@@ -42,11 +42,12 @@ import pandas as pd
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from harness import capacity, results, runner
+from harness import capacity, runner
 from harness.capacity import GiB, Workload
 from harness.config import ModelConfig, RunConfig
 from harness.errors import ConfigError
 from harness.model import ModelArgs
+from harness.store import disk
 
 log = logging.getLogger("kvbench")
 
@@ -321,7 +322,7 @@ def write_table(table: pd.DataFrame, directory: Path) -> Path:
     """Atomically: a temp file beside the target, then os.replace."""
     directory.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = directory / f"{results.FRONTIER_PREFIX}{stamp}.parquet"
+    path = directory / f"{disk.FRONTIER_PREFIX}{stamp}.parquet"
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         table.to_parquet(tmp, index=False)

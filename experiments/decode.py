@@ -19,9 +19,10 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from harness import results, runner, sweep
+from harness import runner, sweep
 from harness.config import RunConfig
 from harness.errors import ConfigError
+from harness.store import disk, summary
 
 log = logging.getLogger("kvbench")
 
@@ -53,7 +54,7 @@ def main(cfg: DictConfig) -> dict:
                      earlier["status"], earlier["path"])  # fmt: skip
             if HydraConfig.get().mode.name != "MULTIRUN":
                 print(f"already recorded as {earlier['status']} (force=true measures it again):")
-                print(results.format_summary(results.load(earlier["path"]).query(f"point_id == '{base['point_id']}'")))
+                print(summary.format_summary(disk.load(earlier["path"]).query(f"point_id == '{base['point_id']}'")))
             return {"status": sweep.SKIPPED, "path": earlier["path"], "point_id": base["point_id"]}
     cause = sweep.oom_cause(run_cfg, base, directory) if run_cfg.oom_backstop else None
     if cause is not None:
@@ -63,15 +64,15 @@ def main(cfg: DictConfig) -> dict:
     row |= {"sweep_id": directory.name}
     top_ops = row.pop("top_ops", None)  # the profiler's table: a second parquet keyed by point_id
     try:
-        path = results.write_point(row, directory)
+        path = disk.write_point(row, directory)
         if top_ops is not None:
-            results.write_ops(row["point_id"], top_ops, directory)
+            disk.write_ops(row["point_id"], top_ops, directory)
     except OSError as exc:  # disk full, read-only, over quota: every earlier row is whole; stop the sweep here
         print(f"kvbench: cannot write results to {directory}: {exc}; this point is not recorded", file=sys.stderr)
         sys.exit(1)
     log.info("%s %s -> %s", row["status"], row.get("error") or "", path)
     if HydraConfig.get().mode.name != "MULTIRUN":
-        print(results.format_summary(results.load(path)))
+        print(summary.format_summary(disk.load(path)))
     return {"status": row["status"], "path": str(path), "point_id": row["point_id"]}
 
 

@@ -34,7 +34,8 @@ from experiments.sizing import (
     stage_limits,
     stage_predictions,
 )
-from harness import crossover, results
+from harness import crossover
+from harness.store import disk
 
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
@@ -257,21 +258,21 @@ def stage_dirs(work: Path) -> list[Path]:
 
 
 def merge_rows(work: Path) -> pd.DataFrame:
-    """Every row of every stage (harness.results.load of each stage's folder), with the stage's name beside it: the
+    """Every row of every stage (harness.store.disk.load of each stage's folder), with the stage's name beside it: the
     stages in the order they ran, each stage's rows in the order they were measured."""
     frames = [
-        results.load(folder).sort_values("started_at", kind="stable").assign(**{STAGE_COLUMN: folder.name})
+        disk.load(folder).sort_values("started_at", kind="stable").assign(**{STAGE_COLUMN: folder.name})
         for folder in stage_dirs(work)
     ]
     frames = [frame for frame in frames if not frame.empty]
     if not frames:
-        return results.load(work / "stages").assign(**{STAGE_COLUMN: pd.Series(dtype="string")})
+        return disk.load(work / "stages").assign(**{STAGE_COLUMN: pd.Series(dtype="string")})
     return pd.concat(frames, ignore_index=True)
 
 
 def merge_ops(work: Path) -> pd.DataFrame:
-    """Every profiler top-ops table (harness.results.load_ops) of every stage, with the stage's name beside it."""
-    frames = [results.load_ops(folder).assign(**{STAGE_COLUMN: folder.name}) for folder in stage_dirs(work)]
+    """Every profiler top-ops table (harness.store.disk.load_ops) of every stage, with the stage's name beside it."""
+    frames = [disk.load_ops(folder).assign(**{STAGE_COLUMN: folder.name}) for folder in stage_dirs(work)]
     frames = [frame for frame in frames if len(frame)]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 

@@ -25,7 +25,7 @@ from harness.errors import Unsupported
 from harness.kv.base import CacheSpec
 from harness.model import build_model, weights_bytes
 from harness.probes import MemoryProbe
-from harness.results import SCHEMA_VERSION
+from harness.store.schema import SCHEMA_VERSION
 from harness.timing import RepeatPolicy, StepTimer, measure, summarize
 
 log = logging.getLogger(__name__)
@@ -268,7 +268,7 @@ def config_columns(cfg: RunConfig) -> dict:
         "compile": cfg.compile,
         "seed": cfg.seed,
         "max_memory_gb": cfg.max_memory_gb,
-        # Everything, as resolved: `python -m harness.results diff` lists what changed between two rows.
+        # Everything, as resolved: `kvbench-results diff` lists what changed between two rows.
         "config_json": config_json(cfg),
     }
 

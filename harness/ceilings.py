@@ -24,7 +24,6 @@ import os
 import platform
 import re
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +34,8 @@ import psutil
 import torch
 
 from harness.spec import SPEC_PEAKS_CSV, spec_for, spec_peaks  # noqa: F401 (part of this module's API)
+from harness.store.atomic import atomic_write
+from harness.store.summary import text_table
 from harness.timing import StepTimer, median_rse
 
 log = logging.getLogger(__name__)
@@ -371,14 +372,6 @@ def ceilings_path(device: str | torch.device, results_dir: str | Path) -> Path:
     return Path(results_dir) / "ceilings" / f"{device_fingerprint(device)}.json"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Temp file in the same folder, then os.replace: a reader sees the old file or the new one, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
-        tmp.write(text)
-    os.replace(tmp.name, path)
-
-
 def read_stored(path: Path) -> Ceilings | None:
     """The stored ceilings at `path`, or None when there are none or they cannot be read (then: measure again)."""
     if not path.exists():
@@ -405,7 +398,8 @@ def load_or_measure(
         log.info("ceilings: reusing %s (measured %s)", path, stored.measured_at)
         return stored
     ceilings = measure(device, quick=quick)
-    write_atomic(path, ceilings.to_json())
+    text = ceilings.to_json()
+    atomic_write(path, lambda f: f.write(text.encode()))  # a reader sees the old file or the new one
     log.info("ceilings: stored %s", path)
     return ceilings
 
@@ -421,25 +415,35 @@ def format_table(ceilings: Ceilings, spec: pd.DataFrame | None = None) -> str:
         tflops = spec.loc[spec["dtype"] == dtype_name, "peak_tflops_dense"]
         return None if tflops.empty or pd.isna(tflops.iloc[0]) else float(tflops.iloc[0])
 
-    def line(label: str, measured: float, published: float | None) -> str:
+    def line(label: str, measured: float, published: float | None) -> dict:
         if published is None or not math.isfinite(measured):
-            return f"{label:<28}{measured:>12.4g}{'-':>12}{'-':>8}"
-        return f"{label:<28}{measured:>12.4g}{published:>12.4g}{measured / published:>8.2f}"
+            return {"ceiling": label, "measured": measured, "spec": None, "ratio": None, "note": ""}
+        return {"ceiling": label, "measured": measured, "spec": published, "ratio": measured / published, "note": ""}
 
-    threads = f"{ceilings.n_threads} threads" if ceilings.device == "cpu" else f"{ceilings.n_sms} SMs"
-    lines = [
-        f"{ceilings.device_name} ({ceilings.device}, {threads}), fingerprint {ceilings.fingerprint}, "
-        f"measured {ceilings.measured_at}{' (quick)' if ceilings.quick else ''}",
-        f"{'ceiling':<28}{'measured':>12}{'spec':>12}{'ratio':>8}",
-        line("memory bandwidth GB/s", ceilings.peak_bw_gbps, spec_value(None)),
-    ]
+    lines = [line("memory bandwidth GB/s", ceilings.peak_bw_gbps, spec_value(None))]
     for dtype_name, tflops in ceilings.peak_tflops.items():
         lines.append(line(f"matmul {dtype_name} TFLOP/s", tflops, spec_value(dtype_name)))
     for dtype_name, reason in ceilings.skipped.items():
-        lines.append(f"{f'matmul {dtype_name} TFLOP/s':<28}{'skipped':>12}  {reason}")
-    if spec is not None:
-        lines.append(f"spec: {spec['device_name'].iloc[0]}, dense peaks (harness/spec_peaks.csv)")
-    return "\n".join(lines)
+        lines.append(
+            {"ceiling": f"matmul {dtype_name} TFLOP/s", "measured": "skipped", "spec": "", "ratio": "", "note": reason}
+        )
+    number = "{:.4g}".format
+    table = text_table(
+        pd.DataFrame(lines, columns=["ceiling", "measured", "spec", "ratio", "note"]),
+        formatters={
+            "measured": lambda v: v if isinstance(v, str) else number(v),
+            "spec": lambda v: v if isinstance(v, str) else number(v),
+            "ratio": lambda v: v if isinstance(v, str) else f"{v:.2f}",
+        },
+        left=("ceiling", "note"),
+    )
+    threads = f"{ceilings.n_threads} threads" if ceilings.device == "cpu" else f"{ceilings.n_sms} SMs"
+    header = (
+        f"{ceilings.device_name} ({ceilings.device}, {threads}), fingerprint {ceilings.fingerprint}, "
+        f"measured {ceilings.measured_at}{' (quick)' if ceilings.quick else ''}"
+    )
+    footer = [f"spec: {spec['device_name'].iloc[0]}, dense peaks (harness/spec_peaks.csv)"] if spec is not None else []
+    return "\n".join([header, table, *footer])
 
 
 def row_columns(ceilings: Ceilings, dtype_name: str) -> dict:

@@ -4,7 +4,7 @@ Resume, as vLLM's sweep tool's --resume: a point whose point_id (harness.config.
 measured, never of where results go) already has a row in results_dir on this device, with a status that a rerun
 would only repeat (FINAL), is skipped. `error` rows are retried. `force=true` measures again. The committed
 reference runs under <results_dir>/reference/ never count: they were measured on another machine of the same name. Rows are found by
-harness.results.index, which reads a handful of columns of every row file, so a rerun of a sweep of hundreds of
+harness.store.disk.index, which reads a handful of columns of every row file, so a rerun of a sweep of hundreds of
 points costs a second per point, not a model load.
 
 OOM backstop: within one sweep, once a point ran out of memory, every later point of the same model, strategy,
@@ -21,12 +21,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness import capacity, results
+from harness import capacity
 from harness.config import RunConfig
 from harness.errors import ConfigError
+from harness.store import disk
 
 SKIPPED = "skipped"  # what experiments.decode.main answers for a point it found recorded
-REFERENCE = results.REFERENCE_DIR  # committed reference runs, which resume never counts as done
+REFERENCE = disk.REFERENCE_DIR  # committed reference runs, which resume never counts as done
 FINAL = ("ok", "oom", "unsupported", "skipped_oom")  # statuses a rerun would only repeat; `error` is retried
 # Columns that must match between an OOM row and a point for the backstop to compare them: the same model, strategy,
 # formats and options; only the batch and the lengths may differ.
@@ -52,7 +53,7 @@ BACKSTOP_KEYS = (
 
 def recorded(point_id: str, device_name: str, results_dir: str | Path) -> pd.Series | None:
     """The latest row of `point_id` on `device_name` under results_dir whose status is FINAL, or None."""
-    rows = results.index(results_dir)
+    rows = disk.index(results_dir)
     reference = str(Path(results_dir) / REFERENCE) + os.sep
     rows = rows[~rows["path"].astype(str).str.startswith(reference)]  # committed references are not this user's runs
     rows = rows[(rows["point_id"] == point_id) & rows["status"].isin(FINAL)]
@@ -84,10 +85,10 @@ def oom_cause(cfg: RunConfig, row: dict, sweep_dir: str | Path) -> pd.Series | N
     """An `oom` row of this sweep with the same BACKSTOP_KEYS as `row` (the point's config columns) that needs no
     more memory than this point by the planner, or None. The first such row, in the order they were measured."""
     sweep_dir = Path(sweep_dir)
-    index = results.index(sweep_dir) if sweep_dir.is_dir() else pd.DataFrame()
+    index = disk.index(sweep_dir) if sweep_dir.is_dir() else pd.DataFrame()
     if index.empty or not (index["status"] == "oom").any():
         return None
-    ooms = pd.concat([results.load(path) for path in index.loc[index["status"] == "oom", "path"].unique()])
+    ooms = pd.concat([disk.load(path) for path in index.loc[index["status"] == "oom", "path"].unique()])
     same = pd.Series(True, index=ooms.index)
     for key in BACKSTOP_KEYS:
         if key in ooms.columns:

@@ -118,7 +118,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarize(samples: list[Sample], *, batch_size: int, prompt_len: int) -> dict:
-    """The latency columns of a row, from the measured samples (see harness.results for their meaning)."""
+    """The latency columns of a row, from the measured samples (see harness.store.schema for their meaning)."""
     ttft = [s.ttft_ms for s in samples]
     tpot = [s.tpot_ms for s in samples]
     steps = [ms for s in samples for ms in s.step_ms]

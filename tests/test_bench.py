@@ -6,8 +6,8 @@ import dataclasses
 
 from harness.bench import run_point
 from harness.config import RunConfig
-from harness.results import COLUMNS
 from harness.runner import ensure_ceilings
+from harness.store.schema import COLUMNS
 
 FAST = dict(warmup=0, min_repeats=1, max_repeats=1, isolate=False)
 

@@ -18,7 +18,7 @@ from dashboard.charts.memory import frontier, memory_ledger
 from dashboard.charts.profile import profile_shares, top_ops
 from dashboard.charts.roofline import roofline
 from dashboard.charts.strategies import strategy_pareto, strategy_table
-from harness import results
+from harness.store import disk
 from tests.charts_rows import REFERENCE, annotation_texts, frame, point, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,11 +78,11 @@ def test_rows_none_of_which_is_ok_draw_a_figure_that_says_so(name):
 
 @pytest.mark.parametrize("name", sorted(FIGURES))
 def test_an_empty_results_folder_draws_a_figure_that_says_so(name, tmp_path):
-    assert "no ok rows" in annotation_texts(FIGURES[name](results.load(tmp_path)))
+    assert "no ok rows" in annotation_texts(FIGURES[name](disk.load(tmp_path)))
 
 
 def test_an_empty_results_folder_gives_an_empty_strategy_table(tmp_path):
-    assert strategy_table(results.load(tmp_path)).empty
+    assert strategy_table(disk.load(tmp_path)).empty
 
 
 @pytest.mark.parametrize("name", sorted(FIGURES))
@@ -94,7 +94,7 @@ def test_every_figure_has_a_title_and_axis_titles_with_units_or_names(name):
 @pytest.fixture(scope="module")
 def reference() -> pd.DataFrame:
     """The committed reference runs (results/reference), loaded once; no chart modifies its rows."""
-    return results.load(REFERENCE)
+    return disk.load(REFERENCE)
 
 
 @pytest.mark.parametrize("name", sorted(EVERY_CHART))

@@ -1,7 +1,7 @@
 """The dashboard: its loaders as plain functions, and every page through Streamlit's AppTest over fixture results.
 
 The fixture results are the committed reference rows (quickstart, strategies, fragmentation) written back with
-harness.results.write_point, plus a small batch sweep (for the knee), a profiler top-ops table and a capacity
+harness.store.disk.write_point, plus a small batch sweep (for the knee), a profiler top-ops table and a capacity
 frontier table. The app is pointed at them with KVBENCH_RESULTS, and the committed reference folder is left out.
 """
 
@@ -16,7 +16,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from dashboard import data, sidebar
-from harness import results
+from harness.store import disk, schema
 from harness.store.schema import PROFILE_CATEGORIES
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
@@ -40,7 +40,7 @@ NEWER_COLUMNS = [  # what a row of an older schema lacks (written as nulls)
 
 
 def reference_rows() -> pd.DataFrame:
-    return results.load(COMMITTED_REFERENCE)
+    return disk.load(COMMITTED_REFERENCE)
 
 
 def with_and_without_itl() -> pd.DataFrame:
@@ -50,10 +50,10 @@ def with_and_without_itl() -> pd.DataFrame:
 
 
 def write_rows(rows: pd.DataFrame, directory: Path) -> None:
-    known = {column.name for column in results.COLUMNS}
+    known = {column.name for column in schema.COLUMNS}
     for record in rows.to_dict("records"):
         row = {key: value for key, value in record.items() if key in known}
-        results.write_point(row, directory / row["sweep_id"])
+        disk.write_point(row, directory / row["sweep_id"])
 
 
 def knee_sweep(rows: pd.DataFrame) -> pd.DataFrame:
@@ -145,9 +145,9 @@ def fixture_dir(tmp_path_factory) -> Path:
     rows = reference_rows()
     write_rows(rows, directory)
     write_rows(knee_sweep(rows), directory)
-    results.write_ops("knee-b4", ops_table(), directory / KNEE_SWEEP)
+    disk.write_ops("knee-b4", ops_table(), directory / KNEE_SWEEP)
     (directory / "capacity").mkdir()
-    frontier_table().to_parquet(directory / "capacity" / f"{results.FRONTIER_PREFIX}20261130-120000.parquet")
+    frontier_table().to_parquet(directory / "capacity" / f"{disk.FRONTIER_PREFIX}20261130-120000.parquet")
     return directory
 
 
@@ -256,15 +256,15 @@ def test_load_frontiers_reads_every_table_and_skips_an_unreadable_one(tmp_path):
 
 
 def test_load_point_ops_finds_a_points_table_or_none(tmp_path):
-    results.write_ops("abc", ops_table(), tmp_path / "sweep")
+    disk.write_ops("abc", ops_table(), tmp_path / "sweep")
     assert data.points_with_ops((str(tmp_path),)) == ["abc"]
     assert data.load_point_ops((str(tmp_path),), "abc")["op"].tolist() == ops_table()["op"].tolist()
     assert data.load_point_ops((str(tmp_path),), "other") is None
 
 
 def test_load_point_ops_prefers_the_table_in_the_points_own_sweep(tmp_path):
-    results.write_ops("abc", ops_table().head(1), tmp_path / "first-sweep")
-    results.write_ops("abc", ops_table().head(2), tmp_path / "second-sweep")  # the same point, rerun
+    disk.write_ops("abc", ops_table().head(1), tmp_path / "first-sweep")
+    disk.write_ops("abc", ops_table().head(2), tmp_path / "second-sweep")  # the same point, rerun
     sources = (str(tmp_path),)
     assert len(data.load_point_ops(sources, "abc", sweep_id="first-sweep")) == 1
     assert len(data.load_point_ops(sources, "abc", sweep_id="second-sweep")) == 2
@@ -273,7 +273,7 @@ def test_load_point_ops_prefers_the_table_in_the_points_own_sweep(tmp_path):
 def test_parquet_bytes_round_trip_through_results_load_with_itl_ms_lists(tmp_path):
     rows = with_and_without_itl().assign(source="reference")
     (tmp_path / "export.parquet").write_bytes(data.parquet_bytes(rows))
-    back = results.load(tmp_path / "export.parquet")
+    back = disk.load(tmp_path / "export.parquet")
     assert back["point_id"].tolist() == rows["point_id"].tolist()
     assert back["itl_ms"].tolist() == rows["itl_ms"].tolist()
     assert back["source"].tolist() == ["reference"] * len(rows)
@@ -297,13 +297,13 @@ def test_overview_table_adds_the_columns_picked_under_more_columns(monkeypatch, 
     more.set_value(["point_id", "prof_gemm_frac"]).run()
     table = at.dataframe[1].value
     assert list(table.columns[-2:]) == ["point_id", "prof_gemm_frac"]
-    assert table["point_id"].tolist() == results.load(fixture_dir)["point_id"].tolist()
+    assert table["point_id"].tolist() == disk.load(fixture_dir)["point_id"].tolist()
 
 
 def test_overview_lists_the_sweeps_the_headline_figures_and_the_rows(monkeypatch, fixture_dir):
     at = open_app(monkeypatch, fixture_dir)
     sweeps, rows = at.dataframe
-    expected = results.load(fixture_dir)
+    expected = disk.load(fixture_dir)
     assert set(sweeps.value["sweep_id"]) == set(expected["sweep_id"])
     assert sweeps.value["rows"].sum() == len(expected)
     assert sweeps.value["unsupported"].sum() == (expected["status"] == "unsupported").sum()
@@ -391,14 +391,14 @@ def test_memory_page_draws_the_capacity_and_compares_planner_with_measured_kv(mo
     (kv,) = at.dataframe
     assert {"kv_bytes_predicted", "kv_bytes_allocated", "allocated_over_predicted"} <= set(kv.value.columns)
     assert {"kv_bytes_planner", "allocated_over_planner"} <= set(kv.value.columns)
-    measured = results.load(fixture_dir).query("status == 'ok'")
+    measured = disk.load(fixture_dir).query("status == 'ok'")
     assert len(kv.value) == measured["kv_bytes_predicted"].notna().sum()  # mixed lengths have no prediction
 
 
 def test_strategies_page_tabulates_every_cache_and_format(monkeypatch, fixture_dir):
     at = open_app(monkeypatch, fixture_dir, page="strategies")
     (table,) = at.dataframe
-    ok = results.load(fixture_dir).query("status == 'ok'")
+    ok = disk.load(fixture_dir).query("status == 'ok'")
     assert len(table.value) == len(ok[["cache", "kv_dtype"]].drop_duplicates())
     assert {"none", "contiguous", "paged", "sliding", "prefix"} <= {t["name"] for t in figures(at)[0]["data"]}
 

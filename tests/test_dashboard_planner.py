@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from dashboard import data
-from harness import results
+from harness.store import disk
 
 REPO = Path(__file__).resolve().parents[1]
 STRATEGIES_SWEEP = "20261130-234921"  # results/reference/cpu-strategies: every cache × kv_dtype, prompt 160
@@ -24,7 +24,7 @@ STRATEGIES_SWEEP = "20261130-234921"  # results/reference/cpu-strategies: every 
 @pytest.fixture(scope="module")
 def reference() -> pd.DataFrame:
     """The committed reference rows, loaded once (seconds); no test modifies them."""
-    return results.load(data.REFERENCE_DIR)
+    return disk.load(data.REFERENCE_DIR)
 
 
 def strategy_row(rows: pd.DataFrame, cache: str, kv_dtype: str) -> pd.DataFrame:

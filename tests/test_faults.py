@@ -19,8 +19,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness import results, runner
+from harness import runner
 from harness.config import RunConfig
+from harness.store import disk, maintain
 from tests.test_sweep import ROOT, TINY, broken_checkpoint, kvbench
 
 pytestmark = pytest.mark.slow
@@ -37,7 +38,7 @@ def sweep_command(results_dir: Path, *overrides: str, base: list[str] = QUICK) -
 
 
 def point_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*.parquet") if not p.name.endswith(results.OPS_SUFFIX))
+    return sorted(p for p in directory.rglob("*.parquet") if not p.name.endswith(disk.OPS_SUFFIX))
 
 
 # ------------------------------------------------------------------------------------------------ killed mid-sweep
@@ -68,13 +69,13 @@ def test_a_sweep_killed_mid_point_keeps_every_finished_row_and_resume_completes_
     finished = point_files(tmp_path)
     (finished[0].parent / f".{finished[0].name}.tmp-999999").write_bytes(finished[0].read_bytes()[:200])
 
-    before = results.load(tmp_path)
+    before = disk.load(tmp_path)
     assert 2 <= len(before) < len(batches)
     assert (before["status"] == "ok").all() and before["tpot_ms"].notna().all()  # whole rows, nothing partial
 
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    after = results.load(tmp_path)
+    after = disk.load(tmp_path)
     assert sorted(after["batch_size"]) == batches  # every point exactly once
     assert after["point_id"].is_unique
     # The earlier rows are untouched and the rerun measured only what was missing.
@@ -140,7 +141,7 @@ def test_two_sweeps_writing_into_one_results_dir_at_once_lose_no_row(tmp_path):
     for proc in (first, second):
         _, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, stderr
-    table = results.load(tmp_path)
+    table = disk.load(tmp_path)
     assert sorted(table["batch_size"]) == [1, 2, 3, 4, 5, 6]
     assert (table["status"] == "ok").all() and table["point_id"].is_unique
 
@@ -150,7 +151,7 @@ def test_two_sweeps_writing_into_one_results_dir_at_once_lose_no_row(tmp_path):
 
 def test_a_full_disk_stops_the_sweep_with_one_line_and_damages_nothing_written(tmp_path):
     assert kvbench(*QUICK, "batch_size=1,2", f"results_dir={tmp_path}", multirun=True).returncode == 0
-    before = results.load(tmp_path)
+    before = disk.load(tmp_path)
     files = {path: path.read_bytes() for path in point_files(tmp_path)}
 
     def full_disk() -> None:  # no file may grow past 6 KiB: a row (~30 KiB) cannot be written
@@ -162,21 +163,21 @@ def test_a_full_disk_stops_the_sweep_with_one_line_and_damages_nothing_written(t
     (line,) = [line for line in proc.stderr.splitlines() if line.startswith("kvbench: cannot write results")]
     assert "File too large" in line and "not recorded" in line
     assert {path: path.read_bytes() for path in point_files(tmp_path)} == files  # nothing damaged, nothing added
-    pd.testing.assert_frame_equal(results.load(tmp_path), before)
+    pd.testing.assert_frame_equal(disk.load(tmp_path), before)
     assert not [p for p in tmp_path.rglob(".*.tmp-*")]  # the cut-short write cleaned up after itself
 
 
 def test_a_read_only_results_dir_raises_a_clear_error_and_keeps_the_row_there(tmp_path, monkeypatch):
     row = {"point_id": "abc", "sweep_id": "s", "status": "ok", "model": "tiny", "batch_size": 1}
-    path = results.write_point(row, tmp_path)
+    path = disk.write_point(row, tmp_path)
     original = path.read_bytes()
 
     def read_only(*args, **kwargs):
         raise OSError(30, "Read-only file system")  # EROFS: what root sees on a read-only mount
 
-    monkeypatch.setattr(results.pq, "write_table", read_only)
+    monkeypatch.setattr(disk.pq, "write_table", read_only)
     with pytest.raises(OSError, match="Read-only file system"):
-        results.write_point(row | {"batch_size": 2}, tmp_path)
+        disk.write_point(row | {"batch_size": 2}, tmp_path)
     assert path.read_bytes() == original
     assert [p.name for p in tmp_path.iterdir()] == ["abc.parquet"]
 
@@ -188,14 +189,14 @@ def test_corrupt_files_are_skipped_by_load_export_and_the_dashboard_with_every_o
     from dashboard import data
 
     for batch in (1, 2, 3):
-        results.write_point({"point_id": f"p{batch}", "sweep_id": "s", "status": "ok", "batch_size": batch}, tmp_path)
+        disk.write_point({"point_id": f"p{batch}", "sweep_id": "s", "status": "ok", "batch_size": batch}, tmp_path)
     (tmp_path / "garbage.parquet").write_bytes(b"not parquet at all" * 20)
     (tmp_path / "truncated.parquet").write_bytes((tmp_path / "p1.parquet").read_bytes()[:300])
     skipped: list[str] = []
-    assert sorted(results.load(tmp_path, skipped=skipped)["batch_size"]) == [1, 2, 3]
+    assert sorted(disk.load(tmp_path, skipped=skipped)["batch_size"]) == [1, 2, 3]
     assert sorted(Path(line.split(": ")[0]).name for line in skipped) == ["garbage.parquet", "truncated.parquet"]
     assert "garbage.parquet" in caplog.text and "truncated.parquet" in caplog.text
-    out = results.export(tmp_path, tmp_path / "all.csv")
+    out = maintain.export(tmp_path, tmp_path / "all.csv")
     assert len(pd.read_csv(out)) == 3
     rows, dashboard_skipped = data.load_rows((str(tmp_path),))
     assert len(rows) == 3 and len(dashboard_skipped) == 2
@@ -210,11 +211,11 @@ def test_a_rerun_skips_recorded_points_and_force_measures_them_again(tmp_path):
     again = kvbench(*QUICK, "batch_size=1,2,3", f"results_dir={tmp_path}", multirun=True)
     assert again.returncode == 0, again.stderr
     assert "resumed: 2 of them already recorded" in again.stdout and "3 points" in again.stdout
-    assert sorted(results.load(tmp_path)["batch_size"]) == [1, 2, 3]
+    assert sorted(disk.load(tmp_path)["batch_size"]) == [1, 2, 3]
     forced = kvbench(*QUICK, "batch_size=1,2", "force=true", f"results_dir={tmp_path}", multirun=True)
     assert forced.returncode == 0, forced.stderr
     assert "resumed" not in forced.stdout
-    assert sorted(results.load(tmp_path)["batch_size"]) == [1, 1, 2, 2, 3]
+    assert sorted(disk.load(tmp_path)["batch_size"]) == [1, 1, 2, 2, 3]
 
 
 def test_error_points_are_retried_and_committed_references_never_count(tmp_path):
@@ -222,13 +223,13 @@ def test_error_points_are_retried_and_committed_references_never_count(tmp_path)
     out = tmp_path / "results"
     for _ in range(2):
         assert kvbench(*QUICK, "prompt_len=8", f"weights={checkpoint}", f"results_dir={out}").returncode == 0
-    assert list(results.load(out)["status"]) == ["error", "error"]  # measured twice: an error is retried
+    assert list(disk.load(out)["status"]) == ["error", "error"]  # measured twice: an error is retried
     # An ok row under <results_dir>/reference is a committed reference, not this user's run: measured anyway.
     ok = kvbench(*QUICK, "prompt_len=8", f"results_dir={out / 'reference'}")
     assert ok.returncode == 0, ok.stderr
     rerun = kvbench(*QUICK, "prompt_len=8", f"results_dir={out}")
     assert "already recorded" not in rerun.stdout
-    assert (results.load(out)["status"] == "ok").sum() == 2
+    assert (disk.load(out)["status"] == "ok").sum() == 2
 
 
 def test_the_oom_backstop_skips_points_that_need_more_than_an_oom_and_names_it(tmp_path):
@@ -237,7 +238,7 @@ def test_the_oom_backstop_skips_points_that_need_more_than_an_oom_and_names_it(t
     overrides = [*QUICK, "prompt_len=1024", "cache=contiguous", "max_memory_gb=1.0", f"results_dir={tmp_path}"]
     proc = kvbench(*overrides, "batch_size=2048,4096,1", multirun=True)
     assert proc.returncode == 0, proc.stderr
-    table = results.load(tmp_path).set_index("batch_size")
+    table = disk.load(tmp_path).set_index("batch_size")
     assert table.loc[2048, "status"] == "oom"
     assert table.loc[4096, "status"] == "skipped_oom"
     assert table.loc[2048, "point_id"] in table.loc[4096, "error"] and "batch 2048" in table.loc[4096, "error"]
@@ -247,7 +248,7 @@ def test_the_oom_backstop_skips_points_that_need_more_than_an_oom_and_names_it(t
     assert kvbench(*overrides, "batch_size=8192", sweep_dir, multirun=True).returncode == 0
     off = kvbench(*overrides, "batch_size=16384", "oom_backstop=false", sweep_dir, multirun=True)
     assert off.returncode == 0, off.stderr
-    table = results.load(tmp_path).set_index("batch_size")
+    table = disk.load(tmp_path).set_index("batch_size")
     assert table.loc[8192, "status"] == "skipped_oom"
     assert table.loc[16384, "status"] == "oom"  # measured, into the wall
 

@@ -1,7 +1,7 @@
 """The GPU check: its verdicts on synthetic rows, its stages against their limits, its report, and its dry run.
 
 scripts/gpu_check.sh runs once in a rare 15-minute window on an H200; what can be checked without one is checked
-here. The verdicts (experiments.gpu_check) read rows shaped as harness.results.load returns them; the stages' limits
+here. The verdicts (experiments.gpu_check) read rows shaped as harness.store.disk.load returns them; the stages' limits
 are read from the script itself; the slow test runs the whole script on the CPU (GPU_CHECK_DRY=1) into tmp_path.
 """
 
@@ -26,7 +26,7 @@ from experiments.gpu_check import (
     verdicts,
 )
 from experiments.sizing import H200, STAGE_ESTIMATES_S, STAGE_PRESETS, preset_claims, stage_limits, stage_predictions
-from harness import results
+from harness.store import disk, schema
 
 ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -41,9 +41,9 @@ BASE = dict(
 
 
 def frame(*rows: dict) -> pd.DataFrame:
-    """Rows as harness.results.load returns them: every column of the contract (null where a row says nothing),
+    """Rows as harness.store.disk.load returns them: every column of the contract (null where a row says nothing),
     nullable dtypes, plus any column a row adds (one the contract does not have yet: cudagraph_skips, ...)."""
-    known = [column.name for column in results.COLUMNS]
+    known = [column.name for column in schema.COLUMNS]
     table = pd.DataFrame([BASE | row for row in rows])
     extras = [name for name in table.columns if name not in known]
     return table.reindex(columns=known + extras).convert_dtypes()
@@ -268,10 +268,10 @@ def test_the_report_merges_every_stage_with_its_name_and_ends_with_the_verdicts(
     (work / "stages.tsv").write_text("stage\tlimit_s\texit\tseconds\ndecode\t55\t0\t40\ncrossover\t45\t124\t45\n")
     for stage, point_id, batch in (("decode", "a1", 1), ("decode", "a2", 1), ("crossover", "b1", 8)):
         row = BASE | {"point_id": point_id, "batch_size": batch}
-        results.write_point(row | {"sweep_id": "s", "cache": "paged" if point_id == "a2" else "contiguous"},
+        disk.write_point(row | {"sweep_id": "s", "cache": "paged" if point_id == "a2" else "contiguous"},
                             work / "stages" / stage / "20261201-100000")  # fmt: skip
     gpu_check.write_report(work=work, out=out, dry=True, long_context_tokens=8192)
-    merged = results.load(out / "rows.parquet")
+    merged = disk.load(out / "rows.parquet")
     assert sorted(zip(merged["stage"], merged["point_id"], strict=True)) == [
         ("crossover", "b1"), ("decode", "a1"), ("decode", "a2")
     ]  # fmt: skip
@@ -310,7 +310,7 @@ def test_the_dry_run_passes_on_the_cpu_and_brings_back_what_the_device_would(tmp
     assert 0 < len(files) <= 8
     assert all(len(path.parts) <= 3 and all(NAME.fullmatch(part) for part in path.parts) for path in files)
     assert (out / "gpu_check.log").stat().st_size > 0
-    merged, every = results.load(out / "rows.parquet"), results.load(work / "stages")
+    merged, every = disk.load(out / "rows.parquet"), disk.load(work / "stages")
     assert len(merged) == len(every) > 0 and sorted(merged["point_id"]) == sorted(every["point_id"])
     assert set(merged["stage"]) == {"decode", "long-context", "compile", "crossover"}
     lines = (out / "summary.md").read_text().splitlines()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import results
+from harness.store import disk
 from tests.test_sweep import ROOT, TINY
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="hydra-submitit-launcher is not installed")
@@ -60,8 +60,8 @@ def job_spans(sweep_folder: Path) -> list[tuple[dt.datetime, dt.datetime]]:
 
 @pytest.mark.parametrize("launcher", SUBMITIT)
 def test_a_submitit_multirun_yields_the_rows_of_the_basic_launcher(swept, launcher):
-    expected = results.load(swept("basic")).set_index("point_id").sort_index()
-    got = results.load(swept(launcher)).set_index("point_id").sort_index()
+    expected = disk.load(swept("basic")).set_index("point_id").sort_index()
+    got = disk.load(swept(launcher)).set_index("point_id").sort_index()
     assert len(expected) == 3 and list(got.index) == list(expected.index)  # the same points, each once
     assert (got["status"] == "ok").all()
     assert got[SAME].equals(expected[SAME])  # same config, same greedy tokens (fp32 on the CPU)
@@ -72,7 +72,7 @@ def test_every_submitit_job_writes_into_the_one_sweep_folder(swept, launcher):
     # hydra.sweep.dir is ${results_dir}/${now:...}: the parent resolves it, and each job, though it composes its
     # config in its own process seconds later, gets that same value (the pickled config carries the resolver cache).
     (sweep_folder,) = [p for p in swept(launcher).iterdir() if p.is_dir()]
-    assert (results.load(sweep_folder)["sweep_id"] == sweep_folder.name).all()
+    assert (disk.load(sweep_folder)["sweep_id"] == sweep_folder.name).all()
     assert len(job_spans(sweep_folder)) == 3  # and each point really ran as a submitit job
 
 

@@ -13,8 +13,9 @@ import pandas as pd
 import pytest
 import torch
 
-from harness import bench, results
+from harness import bench
 from harness.config import RunConfig
+from harness.store import cli, diff, disk
 
 
 def test_environment_columns_name_the_machine_and_the_software():
@@ -38,15 +39,15 @@ def test_diff_lists_what_changed_between_two_rows(tmp_path, capsys):
     for batch_size, point in ((1, "aaaa1111"), (4, "bbbb2222")):
         cfg = RunConfig(model={"name": "tiny"}, batch_size=batch_size)
         row = bench.config_columns(cfg) | bench.environment_columns(torch.device("cpu"))
-        results.write_point(row | {"point_id": point, "sweep_id": "s", "status": "ok"}, tmp_path)
-    assert results.main(["diff", str(tmp_path), "aaaa", "bbbb"]) == 0
+        disk.write_point(row | {"point_id": point, "sweep_id": "s", "status": "ok"}, tmp_path)
+    assert cli.main(["diff", str(tmp_path), "aaaa", "bbbb"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "batch_size: 1 -> 4" in out and "config.batch_size: 1 -> 4" in out
     assert "point_id: aaaa1111 -> bbbb2222" in out
     assert not any(line.startswith(("model:", "config.dtype")) for line in out)
-    assert results.main(["diff", str(tmp_path), "aaaa", "aaaa1111"]) == 0
+    assert cli.main(["diff", str(tmp_path), "aaaa", "aaaa1111"]) == 0
     assert capsys.readouterr().out.strip() == "no differences"
-    assert results.main(["diff", str(tmp_path), "zzzz", "aaaa"]) == 2
+    assert cli.main(["diff", str(tmp_path), "zzzz", "aaaa"]) == 2
 
 
 def test_config_json_round_trips_to_the_same_run_config():
@@ -67,9 +68,9 @@ def test_config_json_is_strict_json_even_for_an_infinite_budget():
 def test_the_new_columns_are_written_and_read_back_with_their_types(tmp_path):
     cfg = RunConfig(model={"name": "tiny"})
     row = bench.config_columns(cfg) | bench.environment_columns(torch.device("cpu")) | {"status": "ok"}
-    results.write_point(row, tmp_path)
+    disk.write_point(row, tmp_path)
 
-    loaded = results.load(tmp_path).iloc[0]
+    loaded = disk.load(tmp_path).iloc[0]
 
     for name in ("git_dirty", "cpu_model", "device_count", "python_version", "kvbench_version", "config_json"):
         assert loaded[name] == row[name], name
@@ -95,16 +96,16 @@ def write_run(directory, point_id, started_at, batch_size=1):
     cfg = RunConfig(model={"name": "tiny"}, batch_size=batch_size)
     row = bench.config_columns(cfg) | bench.environment_columns(torch.device("cpu"))
     row |= {"point_id": point_id, "sweep_id": "s", "status": "ok", "started_at": started_at}
-    results.write_point(row, directory)
+    disk.write_point(row, directory)
 
 
 def test_diff_takes_the_latest_run_of_a_point_and_says_so(tmp_path, capsys, caplog):
     write_run(tmp_path / "first", "aaaa1111", "2026-12-01T00:00:00+00:00", batch_size=1)
     write_run(tmp_path / "second", "aaaa1111", "2026-12-01T01:00:00+00:00", batch_size=2)
     write_run(tmp_path, "bbbb2222", "2026-12-01T01:00:00+00:00", batch_size=2)
-    caplog.set_level(logging.INFO, logger=results.__name__)
+    caplog.set_level(logging.INFO, logger=diff.__name__)
 
-    assert results.main(["diff", str(tmp_path), "aaaa", "bbbb"]) == 0
+    assert cli.main(["diff", str(tmp_path), "aaaa", "bbbb"]) == 0
 
     assert capsys.readouterr().out.splitlines() == ["point_id: aaaa1111 -> bbbb2222"]
     assert "measured 2 times" in caplog.text and "2026-12-01T01:00:00" in caplog.text
@@ -114,6 +115,6 @@ def test_diff_refuses_an_ambiguous_prefix_and_prefers_an_exact_id(tmp_path, capl
     write_run(tmp_path, "abc", "2026-12-01T00:00:00+00:00")
     write_run(tmp_path, "abcd", "2026-12-01T00:00:00+00:00", batch_size=2)
 
-    assert results.main(["diff", str(tmp_path), "ab", "abcd"]) == 2
+    assert cli.main(["diff", str(tmp_path), "ab", "abcd"]) == 2
     assert "a: 'ab' matches 2 points" in caplog.text
-    assert results.main(["diff", str(tmp_path), "abc", "abcd"]) == 0
+    assert cli.main(["diff", str(tmp_path), "abc", "abcd"]) == 0

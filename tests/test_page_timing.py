@@ -5,7 +5,7 @@ The timing itself is a benchmark (make bench-dashboard), never asserted on here.
 from __future__ import annotations
 
 from dashboard import page_timing
-from harness import results
+from harness.store import disk, schema
 
 
 def timing_lines() -> list[dict]:
@@ -65,5 +65,5 @@ def test_the_synthetic_rows_are_distinct_points_in_sweeps_of_a_thousand():
 def test_the_synthetic_rows_write_as_one_file_in_the_current_schema(tmp_path):
     # The reference rows load with columns of older schemas too; the file holds the current schema's alone.
     path = page_timing.write_rows(page_timing.synthetic_rows(50), tmp_path)
-    back = results.load(path)
-    assert len(back) == 50 and list(back.columns) == results.arrow_schema().names
+    back = disk.load(path)
+    assert len(back) == 50 and list(back.columns) == schema.arrow_schema().names

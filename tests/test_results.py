@@ -1,4 +1,4 @@
-"""harness.results: the column contract, atomic point files, load, export and the summary table."""
+"""harness.store: the column contract, atomic point files, load, export and the summary table."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from harness import results
-from harness.results import COLUMNS, SCHEMA_VERSION, columns_markdown, export, format_summary, load, write_point
+from harness.store import atomic, cli, disk, schema
+from harness.store.disk import load, write_point
+from harness.store.maintain import export
+from harness.store.schema import COLUMNS, SCHEMA_VERSION, columns_markdown
+from harness.store.summary import format_summary
 
 README_PATH = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -127,7 +130,7 @@ def test_failed_rename_leaves_no_file_and_the_existing_point_untouched(tmp_path,
     def crash(*args, **kwargs):
         raise OSError("disk vanished")
 
-    monkeypatch.setattr(results.os, "replace", crash)
+    monkeypatch.setattr(atomic.os, "replace", crash)
     with pytest.raises(OSError, match="disk vanished"):
         write_point(_row(point_id="p0", ttft_ms=2.0), tmp_path)
     with pytest.raises(OSError, match="disk vanished"):
@@ -143,7 +146,7 @@ def test_writer_failing_mid_file_leaves_nothing_behind(tmp_path, monkeypatch):
         where.write(b"PAR1 half a file")
         raise RuntimeError("killed mid-write")
 
-    monkeypatch.setattr(results.pq, "write_table", write_half_then_crash)
+    monkeypatch.setattr(disk.pq, "write_table", write_half_then_crash)
     with pytest.raises(RuntimeError, match="killed mid-write"):
         write_point(_row(), tmp_path)
 
@@ -326,14 +329,14 @@ def test_export_refuses_a_parquet_file_inside_its_own_source(tmp_path):
 def test_cli_export_writes_the_file(tmp_path):
     write_point(_row(), tmp_path / "results")
 
-    assert results.main(["export", str(tmp_path / "results"), str(tmp_path / "all.csv")]) == 0
+    assert cli.main(["export", str(tmp_path / "results"), str(tmp_path / "all.csv")]) == 0
     assert pd.read_csv(tmp_path / "all.csv")["point_id"].tolist() == ["p0"]
 
 
 def test_cli_export_with_a_bad_suffix_exits_nonzero(tmp_path, caplog):
     write_point(_row(), tmp_path / "results")
 
-    assert results.main(["export", str(tmp_path / "results"), str(tmp_path / "all.json")]) == 2
+    assert cli.main(["export", str(tmp_path / "results"), str(tmp_path / "all.json")]) == 2
     assert ".csv" in caplog.text
 
 
@@ -341,7 +344,7 @@ def test_cli_show_filters_by_sweep(tmp_path, capsys):
     write_point(_row(point_id="a", sweep_id="s1", model="alpha"), tmp_path)
     write_point(_row(point_id="b", sweep_id="s2", model="beta"), tmp_path)
 
-    assert results.main(["show", str(tmp_path), "--sweep", "s2"]) == 0
+    assert cli.main(["show", str(tmp_path), "--sweep", "s2"]) == 0
     printed = capsys.readouterr().out
 
     assert "beta" in printed
@@ -349,7 +352,7 @@ def test_cli_show_filters_by_sweep(tmp_path, capsys):
 
 
 def test_cli_columns_prints_the_markdown_table(capsys):
-    assert results.main(["columns"]) == 0
+    assert cli.main(["columns"]) == 0
     assert capsys.readouterr().out == columns_markdown()
 
 
@@ -398,13 +401,13 @@ def test_column_names_are_unique_and_described():
 
     assert len(names) == len(set(names))
     assert all(c.description for c in COLUMNS)
-    assert results.arrow_schema().names == names
+    assert schema.arrow_schema().names == names
 
 
 def test_a_points_top_ops_table_sits_beside_its_row_and_load_skips_it(tmp_path):
     import pandas as pd
 
-    from harness.results import load_ops, write_ops
+    from harness.store.disk import load_ops, write_ops
 
     write_point(_row(point_id="p1"), tmp_path)
     ops = pd.DataFrame(
@@ -418,7 +421,7 @@ def test_a_points_top_ops_table_sits_beside_its_row_and_load_skips_it(tmp_path):
 
 
 def test_readme_column_table_is_current():
-    """README.md embeds `python -m harness.results columns` between the columns markers; regenerate it if this fails."""
+    """README.md embeds `kvbench-results columns` between the columns markers; regenerate it if this fails."""
     readme = README_PATH.read_text(encoding="utf-8") if README_PATH.exists() else ""
     match = re.search(r"<!-- columns:start -->(.*?)<!-- columns:end -->", readme, flags=re.DOTALL)
 
@@ -440,9 +443,9 @@ def test_index_has_a_line_per_row_with_its_file(tmp_path):
     export(tmp_path / "s1", tmp_path / "s2" / "compacted-20261201-000000-000000.parquet")  # a file of many rows
     write_point(_row(point_id="c", sweep_id="s2"), tmp_path / "s2")
 
-    lines = results.index(tmp_path).sort_values(["point_id", "path"], ignore_index=True)
+    lines = disk.index(tmp_path).sort_values(["point_id", "path"], ignore_index=True)
 
-    assert list(lines.columns) == [*results.INDEX_COLUMNS, "path"]
+    assert list(lines.columns) == [*disk.INDEX_COLUMNS, "path"]
     assert lines["point_id"].tolist() == ["a", "b", "c"]  # a and b are in two files: one measurement each
     assert lines["status"].tolist() == ["ok", "oom", "ok"]
     assert lines["error"].tolist()[1] == "CUDA out of memory"
@@ -461,9 +464,9 @@ def test_index_reads_only_its_columns(tmp_path, monkeypatch):
     monkeypatch.setattr(pq.ParquetFile, "read", spy)
     monkeypatch.setattr(pq, "read_table", lambda *args, **kwargs: pytest.fail("index read a whole table"))
 
-    results.index(tmp_path)
+    disk.index(tmp_path)
 
-    assert asked == [list(results.INDEX_COLUMNS)]  # not itl_ms, not the hundred other columns
+    assert asked == [list(disk.INDEX_COLUMNS)]  # not itl_ms, not the hundred other columns
 
 
 def test_index_gives_nulls_for_columns_a_file_lacks_and_skips_unreadable_files(tmp_path):
@@ -472,7 +475,7 @@ def test_index_gives_nulls_for_columns_a_file_lacks_and_skips_unreadable_files(t
     pq.write_table(pa.table({"x": [1]}), tmp_path / "foreign.parquet")
     skipped: list[str] = []
 
-    lines = results.index(tmp_path, skipped=skipped)
+    lines = disk.index(tmp_path, skipped=skipped)
 
     assert lines["point_id"].tolist() == ["old"]
     assert lines[["sweep_id", "error", "device_name", "started_at"]].isna().all(axis=None)
@@ -485,9 +488,9 @@ def test_index_without_rows_is_an_empty_frame_with_its_columns(tmp_path, make_di
     if make_dir:
         directory.mkdir()
 
-    lines = results.index(directory)
+    lines = disk.index(directory)
 
-    assert lines.empty and list(lines.columns) == [*results.INDEX_COLUMNS, "path"]
+    assert lines.empty and list(lines.columns) == [*disk.INDEX_COLUMNS, "path"]
 
 
 def test_the_schema_has_one_share_column_per_profiler_category_and_imports_no_torch():

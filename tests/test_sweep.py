@@ -12,8 +12,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness import results
 from harness.config import RunConfig
+from harness.store import disk
 from tests.greedy import LOGIT_TOL, assert_no_near_tie, point_logits
 
 ROOT = Path(__file__).parents[1]
@@ -48,7 +48,7 @@ def test_fp32_multirun_gives_identical_output_digests_across_strategies(tmp_path
         multirun=True,
     )
     assert proc.returncode == 0, proc.stderr
-    table = results.load(tmp_path)
+    table = disk.load(tmp_path)
     assert len(table) == 6 and (table["status"] == "ok").all()
     assert table["sweep_id"].nunique() == 1
     for _, group in table.groupby("batch_size"):
@@ -70,7 +70,7 @@ def test_contiguous_allocation_equals_the_prediction_and_paged_live_follows_the_
         multirun=True,
     )
     assert proc.returncode == 0, proc.stderr
-    table = results.load(tmp_path).set_index("cache")
+    table = disk.load(tmp_path).set_index("cache")
     contiguous, paged = table.loc["contiguous"], table.loc["paged"]
     assert contiguous["kv_bytes_allocated"] == contiguous["kv_bytes_predicted"]
     per_token = contiguous["kv_bytes_predicted"] / (2 * (21 + 6))  # batch x (prompt + gen) tokens
@@ -90,7 +90,7 @@ def test_a_forced_oom_is_a_row_and_the_sweep_finishes(tmp_path):
         multirun=True,
     )
     assert proc.returncode == 0, proc.stderr
-    table = results.load(tmp_path).set_index("batch_size")
+    table = disk.load(tmp_path).set_index("batch_size")
     assert table.loc[4096, "status"] == "oom"
     assert "allocate" in table.loc[4096, "error"]
     assert table.loc[1, "status"] == "ok"
@@ -102,7 +102,7 @@ def test_an_exhausted_paged_pool_is_an_oom_row(tmp_path):
         *TINY, "prompt_len=40", "batch_size=2", "cache=paged", "cache.pool_tokens=32", f"results_dir={tmp_path}"
     )
     assert proc.returncode == 0, proc.stderr
-    (row,) = results.load(tmp_path).to_dict("records")
+    (row,) = disk.load(tmp_path).to_dict("records")
     assert row["status"] == "oom" and "exhausted" in row["error"]
 
 
@@ -110,7 +110,7 @@ def test_a_single_run_prints_its_summary(tmp_path):
     proc = kvbench(*TINY, "prompt_len=8", "isolate=false", f"results_dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
     assert "tpot ms" in proc.stdout and "tiny" in proc.stdout
-    assert len(results.load(tmp_path)) == 1
+    assert len(disk.load(tmp_path)) == 1
 
 
 @pytest.mark.parametrize(
@@ -156,7 +156,7 @@ def test_a_point_that_crashes_is_an_error_row_with_its_message(tmp_path):
     out = tmp_path / "results"
     proc = kvbench(*TINY, "prompt_len=8", f"weights={checkpoint}", f"results_dir={out}")
     assert proc.returncode == 0, proc.stderr
-    (row,) = results.load(out).to_dict("records")
+    (row,) = disk.load(out).to_dict("records")
     assert row["status"] == "error" and row["error"]
     assert row["model"] == "broken-llama" and row["tpot_ms"] != row["tpot_ms"]  # NaN: nothing was measured
 
@@ -205,7 +205,7 @@ def test_the_strategies_experiment_writes_a_row_for_every_combination(tmp_path):
         f"results_dir={tmp_path}",
     )
     assert proc.returncode == 0, proc.stderr
-    table = results.load(tmp_path)
+    table = disk.load(tmp_path)
     assert len(table) == 6 * 3  # every strategy x every kv_dtype asked for: no missing rows
     assert set(table["status"]) <= {"ok", "unsupported"}, table.loc[table["status"] != "ok", ["cache", "error"]]
     unsupported = table[table["status"] == "unsupported"]

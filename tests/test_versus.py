@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 
-from harness import kv, results, versus
+from harness import kv, versus
 from harness.config import RunConfig
 from harness.kv.base import CacheSpec
 from harness.model import ModelArgs
+from harness.store import disk
 from tests.greedy import LOGIT_TOL, assert_no_near_tie, assert_same_greedy_tokens, greedy_with_logits, point_logits
 
 pytest.importorskip("transformers")
@@ -111,7 +112,7 @@ def test_a_case_gives_one_row_per_loop_each_with_its_runner_cache_and_a_positive
     assert len({row["output_digest"] for row in rows}) == 1  # fp32: every loop made the same tokens
     assert len({row["bytes_per_step"] for row in rows}) == 1  # one analytic step for every loop
     for row in rows:  # the row contract accepts them
-        results.write_point(row | {"sweep_id": "bench-test"}, tmp_path)
+        disk.write_point(row | {"sweep_id": "bench-test"}, tmp_path)
 
 
 def test_rounds_run_every_loop_once_alternating_the_order_after_a_warm_up_each():
@@ -233,7 +234,7 @@ def test_the_quick_bench_writes_a_row_per_loop_and_case_and_prints_the_table_las
 
     assert bench.main(["--quick", "--batch", "1", "--results-dir", str(tmp_path)]) == 0
     (folder,) = tmp_path.glob("bench-*")
-    rows = results.load(folder)
+    rows = disk.load(folder)
     assert sorted(rows["cache"]) == sorted(versus.LOOPS) and set(rows["sweep_id"]) == {folder.name}
     assert (rows["status"] == "ok").all() and rows["peak_bw_gbps"].notna().all()  # quick ceilings were measured
     last = capsys.readouterr().out.strip().splitlines()[-1]

@@ -1,6 +1,6 @@
 """What every chart shares: its contract with the rows, the reading of their columns, labels, hovers, colours.
 
-Every chart (dashboard/charts/<page>.py) is a pure function from result rows (harness.results.load) to a plotly
+Every chart (dashboard/charts/<page>.py) is a pure function from result rows (harness.store.disk.load) to a plotly
 figure, in the column contract of harness.store.schema.COLUMNS (strategy_table: a DataFrame; crossover_caption: a
 string). Nothing here imports Streamlit or torch, so each chart is unit-tested on synthetic frames.
 

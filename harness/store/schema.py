@@ -1,8 +1,9 @@
-"""The column contract of a result row: every column's name, Arrow type, unit and meaning, in one place.
+"""The column contracts: every column's name, Arrow type, unit and meaning, in one place.
 
-Torch-free (pyarrow only), so that the store, the README generator and the dashboard read the same contract
-without importing the measuring code. The Parquet schema, the README table (`python -m harness.results columns`)
-and the loader's column order all come from COLUMNS.
+COLUMNS is a result row's (one measured point); FRONTIER_COLUMNS a capacity OOM-frontier table's (one row per
+context, experiments/capacity.py). Torch-free (pyarrow only), so that the store, the README generator and the
+dashboard read the same contract without importing the measuring code. The Parquet schemas, the README table
+(`kvbench-results columns`) and the loader's column order all come from them.
 """
 
 from __future__ import annotations
@@ -336,10 +337,69 @@ COLUMNS: tuple[Column, ...] = (
 
 def arrow_schema() -> pa.Schema:
     """The typed Arrow schema of a row; each field carries its unit and description as metadata."""
-    return pa.schema(
-        [
-            pa.field(c.name, _ARROW_TYPES[c.type], metadata={"unit": c.unit, "description": c.description})
-            for c in COLUMNS
-        ],
-        metadata={"kvbench.schema_version": str(SCHEMA_VERSION)},
-    )
+    return pa.schema(_arrow_fields(COLUMNS), metadata={"kvbench.schema_version": str(SCHEMA_VERSION)})
+
+
+def _arrow_fields(columns: tuple[Column, ...]) -> list[pa.Field]:
+    return [
+        pa.field(c.name, _ARROW_TYPES[c.type], metadata={"unit": c.unit, "description": c.description}) for c in columns
+    ]
+
+
+def columns_markdown() -> str:
+    """The column contract as a Markdown table, for the README (between the columns:start/end markers)."""
+    lines = ["| Column | Type | Unit | Meaning |", "|---|---|---|---|"]
+    for c in COLUMNS:
+        meaning = c.description.replace("|", r"\|")  # a bare pipe would split the cell
+        lines.append(f"| `{c.name}` | {c.type} | {c.unit} | {meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+# One row per context of a capacity run: the OOM frontier measured with real OOMs (experiments/capacity.py,
+# frontier_rows) beside the planner's prediction under the same memory cap.
+FRONTIER_COLUMNS: tuple[Column, ...] = (
+    Column("model", "string", "", "Model preset name"),
+    Column("device", "string", "", "cpu or cuda"),
+    Column("dtype", "string", "", "Compute dtype of weights and activations"),
+    Column("kv_dtype", "string", "", "Storage dtype of the KV cache (kv_dtype=auto resolved to dtype)"),
+    Column("cache", "string", "", "KV-cache strategy name"),
+    Column("context", "int64", "tokens", "prompt_len + gen_len per sequence: where this frontier was searched"),
+    Column("prompt_len", "int64", "tokens", "Prompt tokens per sequence"),
+    Column("gen_len", "int64", "tokens", "Tokens generated per sequence"),
+    Column("max_memory_gb", "float64", "GiB", "The memory cap every probe ran under"),
+    Column(
+        "runtime_overhead_bytes",
+        "int64",
+        "bytes",
+        "Runtime memory the planner counts against the cap (CPU: measured; CUDA: 0, the allocator cap excludes it)",
+    ),
+    Column("predicted_max_batch", "int64", "", "The planner's largest batch under the cap"),
+    Column("measured_max_batch", "int64", "", "Largest batch that ran under the cap (0: not even one); null: failed"),
+    Column("first_oom_batch", "int64", "", "Smallest batch that ran out of memory (max_batch + 1 when none did)"),
+    Column("bisection_step", "int64", "", "first_oom_batch - measured_max_batch when the search stopped"),
+    Column("probes", "int64", "", "Points measured (each in its own spawned process) to find the frontier"),
+    Column("probe_s", "float64", "s", "Wall time of all the probes"),
+    Column("peak_mem_bytes", "int64", "bytes", "Peak memory of the last probe that fit (as the row's peak_mem_bytes)"),
+    Column("mem_baseline_bytes", "int64", "bytes", "Memory in use before that probe's model loaded"),
+    Column("kv_bytes_allocated", "int64", "bytes", "KV storage that probe's cache held"),
+    Column("error", "string", "", "Why the search stopped: a probe that neither ran nor ran out of memory; null: ok"),
+    Column("within_step", "bool", "", "The prediction lies within one bisection_step of measured_max_batch"),
+    Column(
+        "predicted_model_bytes",
+        "int64",
+        "bytes",
+        "The planner's total at measured_max_batch without the runtime, to compare with peak - baseline",
+    ),
+    Column("mmap_threshold_pinned", "bool", "", "glibc's MALLOC_MMAP_THRESHOLD_ pinned in the probes (see capacity)"),
+    Column(
+        "rss_error",
+        "float64",
+        "",
+        "(predicted_model_bytes - growth) / growth, growth = peak_mem_bytes - mem_baseline_bytes: the planner's error",
+    ),
+)
+
+
+def frontier_arrow_schema() -> pa.Schema:
+    """The typed Arrow schema of a frontier table; each field carries its unit and description as metadata."""
+    return pa.schema(_arrow_fields(FRONTIER_COLUMNS))

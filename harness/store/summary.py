@@ -1,0 +1,83 @@
+"""Result rows as text: the one table printer (pandas), and the summary a sweep or `kvbench-results show` prints."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import pandas as pd
+
+from harness.store.schema import COLUMNS
+
+_ERROR_WIDTH_CHARS = 60  # format_summary: keeps a failed row's error on one terminal line
+_MIB_BYTES = 2**20
+
+# (header, column, format): the header carries the unit the format converts to.
+_SUMMARY_LAYOUT: tuple[tuple[str, str, Callable[[object], str]], ...] = (
+    ("status", "status", str),
+    ("model", "model", str),
+    ("cache", "cache", str),
+    ("kv_dtype", "kv_dtype", str),
+    ("batch", "batch_size", "{:.0f}".format),
+    ("prompt", "prompt_len", "{:.0f}".format),
+    ("gen", "gen_len", "{:.0f}".format),
+    ("ttft ms", "ttft_ms", "{:.2f}".format),
+    ("tpot ms", "tpot_ms", "{:.3f}".format),
+    ("decode tok/s", "decode_tok_s", "{:.1f}".format),
+    ("KV alloc MiB", "kv_bytes_allocated", lambda value: f"{value / _MIB_BYTES:.1f}"),
+    ("KV live MiB", "kv_bytes_live", lambda value: f"{value / _MIB_BYTES:.1f}"),
+    ("KV waste %", "kv_waste_fraction", lambda value: f"{100 * value:.1f}"),
+    ("top1", "top1_agreement", "{:.3f}".format),
+    ("peak MiB", "peak_mem_bytes", lambda value: f"{value / _MIB_BYTES:.1f}"),
+)
+_SUMMARY_TEXT = ("status", "model", "cache", "kv_dtype", "error")  # left-aligned; numbers stay right-aligned
+
+
+def text_table(
+    frame: pd.DataFrame,
+    *,
+    formatters: Mapping[str, Callable[[object], str]] | None = None,
+    left: Sequence[str] = (),
+    na_rep: str = "-",
+) -> str:
+    """`frame` as a fixed-width table, one line per row: pandas' DataFrame.to_string(index=False), each cell by its
+    column's formatter (str when it has none), a null as `na_rep`, and the `left` columns (text) left-aligned, which
+    pandas cannot do by itself (it right-aligns every column). Trailing blanks are trimmed."""
+    formatters = dict(formatters or {})
+
+    def cell(value: object, name: str) -> str:
+        if value is None or (pd.api.types.is_scalar(value) and pd.isna(value)):
+            return na_rep
+        return formatters.get(name, str)(value)
+
+    text = pd.DataFrame({name: [cell(value, name) for value in frame[name]] for name in frame.columns})
+    widths = {name: max([len(name), *(len(value) for value in text[name])]) for name in text.columns}
+    headers = {name: name.ljust(widths[name]) for name in left}  # pandas right-justifies a header in its width
+    justify = {headers[name]: (lambda value, width=widths[name]: value.ljust(width)) for name in left}
+    text = text.rename(columns=headers)
+    # Two blanks between columns (pandas puts one): every column but the first is one wider than its widest cell.
+    space = {name: widths[original] + 1 for name, original in zip(text.columns[1:], frame.columns[1:], strict=True)}
+    table = text.to_string(index=False, formatters=justify, col_space=space)
+    return "\n".join(line.rstrip() for line in table.splitlines())
+
+
+def format_summary(df: pd.DataFrame) -> str:
+    """One line per row, sorted by model, cache, kv_dtype, batch and prompt; nulls as '-'; failed rows end with
+    their error, shortened to one line."""
+    if df.empty:
+        return "(no results)"
+    df = df.reindex(columns=[c.name for c in COLUMNS]).sort_values(
+        ["model", "cache", "kv_dtype", "batch_size", "prompt_len"], na_position="last", kind="stable"
+    )
+    shown = pd.DataFrame({header: df[column].tolist() for header, column, _ in _SUMMARY_LAYOUT})
+    shown["error"] = [
+        "" if status == "ok" else _shorten(error) for status, error in zip(df["status"], df["error"], strict=True)
+    ]
+    formatters = {header: fmt for header, _, fmt in _SUMMARY_LAYOUT}
+    return text_table(shown, formatters=formatters, left=_SUMMARY_TEXT)
+
+
+def _shorten(error: object) -> str:
+    if error is None or pd.isna(error) or not str(error).strip():
+        return "-"
+    text = " ".join(str(error).split())  # one line: tracebacks and multi-line messages collapse
+    return text if len(text) <= _ERROR_WIDTH_CHARS else text[: _ERROR_WIDTH_CHARS - 1] + "…"
