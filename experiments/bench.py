@@ -21,8 +21,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from harness import results, runner, versus
-from harness.bench import config_columns, environment_columns
+from harness.bench import config_columns
 from harness.config import DEVICES, DTYPES, RunConfig
+from harness.environment import environment_columns
 from harness.errors import ConfigError
 
 log = logging.getLogger("kvbench")

@@ -290,7 +290,7 @@ def machine_lines() -> list[str]:
 
     import torch
 
-    from harness.bench import nvidia_driver_version
+    from harness.environment import nvidia_driver_version
 
     try:
         smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout.strip()

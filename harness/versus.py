@@ -36,9 +36,10 @@ from typing import Any
 import torch
 
 from harness import kv
-from harness.bench import cache_spec, config_columns, digest, environment_columns, make_prompts, roofline_columns
+from harness.bench import cache_spec, config_columns, digest, make_prompts, roofline_columns
 from harness.config import DTYPES, RunConfig
 from harness.decode import generate
+from harness.environment import environment_columns
 from harness.model import ModelArgs, Transformer, build_model, weights_bytes
 from harness.probes import MemoryProbe
 from harness.timing import Sample, StepTimer, summarize
