@@ -19,6 +19,7 @@ from harness.environment import environment_columns
 from harness.errors import Unsupported
 from harness.kv.base import CacheSpec
 from harness.model import build_model, weights_bytes
+from harness.point_result import PointResult
 from harness.probes import MemoryProbe
 from harness.timing import RepeatPolicy, StepTimer, measure, summarize
 
@@ -28,15 +29,15 @@ log = logging.getLogger(__name__)
 COMPILE_WARMUP_STEPS = 3
 
 
-def run_point(cfg: RunConfig) -> dict:
-    """Build, warm up, measure; return the row (without sweep_id, which the caller knows)."""
+def run_point(cfg: RunConfig) -> PointResult:
+    """Build, warm up, measure; return the row (without sweep_id, which the caller knows) and the profiler's top ops."""
     device = cfg.torch_device()
     args = cfg.model_args()
     row = config_columns(cfg) | environment_columns(device)
 
     spec = cache_spec(cfg)
     if cfg.lengths == "mixed":  # an allocation measurement: no model, no timing
-        return row | fragmentation.waste_columns(cfg, spec) | {"status": "ok"}
+        return PointResult(row=row | fragmentation.waste_columns(cfg, spec) | {"status": "ok"})
     probe = MemoryProbe(device)
     probe.baseline()  # before the model loads
     with probe:
@@ -109,6 +110,7 @@ def run_point(cfg: RunConfig) -> dict:
     row |= probe.validity_columns()
     if cfg.roofline:
         row |= roofline_columns(cfg, args=args, tpot_ms=row["tpot_ms"], ttft_ms=row["ttft_ms"])
+    top_ops = None
     # A separate pass: the timing above stays clean. It profiles eager decode steps, so a compiled point skips it
     # rather than attribute eager kernels to a compiled row.
     if cfg.profile and cfg.gen_len > 2 and cfg.compile == "none":
@@ -116,7 +118,7 @@ def run_point(cfg: RunConfig) -> dict:
         prof_columns, top_ops = profile.profile_decode(
             model, cache, prompt, n_steps=min(cfg.profile_steps, cfg.gen_len - 2), device=device, trace_path=trace
         )
-        row |= prof_columns | {"top_ops": top_ops}
+        row |= prof_columns
     if (cfg.accuracy and is_lossy(cfg)) or cfg.eval_text:
         row |= accuracy_columns(cfg, model=model, cache=cache, spec=spec, prompt=prompt)
     row["weights_bytes"] = weights_bytes(model)
@@ -134,7 +136,7 @@ def run_point(cfg: RunConfig) -> dict:
                 f"compile=reduce-overhead: inductor skipped CUDA graphs {skips} time(s), so the step ran without "
                 "them; TORCH_LOGS=perf_hints logs the reason"
             )
-    return row
+    return PointResult(row=row, ops=top_ops)
 
 
 def cache_spec(cfg: RunConfig) -> CacheSpec:
