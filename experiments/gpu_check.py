@@ -35,6 +35,7 @@ from experiments.sizing import (
     stage_predictions,
 )
 from harness import crossover, results
+from harness.errors import exit_on_config_error
 
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
@@ -412,6 +413,7 @@ def plan_table(*, gpu: Gpu = H200) -> pd.DataFrame:
     return pd.DataFrame(lines).astype({"points": "Int64", "predicted_s": "Int64"})
 
 
+@exit_on_config_error  # plan composes every preset the script runs: a bad one is a line, not a traceback
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.gpu_check", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
