@@ -23,7 +23,8 @@ step's latency exactly as our Sample holds them. Greedy, no EOS (eos_token_id No
 
 Interleaving: one warm-up generation of each loop, then `rounds` rounds of A B C D. A drift (clocks, heat, a
 neighbour's load on a shared host) then hits every loop alike instead of whichever happened to run during it. The
-figures are medians over the rounds (harness.timing.summarize), the same statistics as every kvbench row.
+figures are medians over the rounds (harness.timing.summarize), the same statistics as every kvbench row; the table that
+compares them is harness/versus_table.py.
 """
 
 from __future__ import annotations
@@ -339,8 +340,9 @@ def _hf_loop(model: Any, prompt: torch.Tensor, *, gen_len: int, cache_implementa
 
 
 def loop_columns(cfg: RunConfig, *, loop: str) -> dict:
-    """What tells one loop's row of a case from another's, measured or failed: whose loop (`runner`), which loop
-    (`loop`), the kvbench strategy it decodes through (`cache`: null for transformers' own caches), its point_id."""
+    """The columns make bench sets on a loop's row, measured or failed: its point_id, whose loop (`runner`), which
+    loop (`loop`), the kvbench strategy it decodes through (`cache`: null for transformers' own caches), and the
+    weights every loop shares."""
     is_hf = loop in HF_LOOPS
     return {
         "point_id": point_id(cfg, loop=loop),
