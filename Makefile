@@ -81,7 +81,7 @@ bench-dashboard: setup ## Time every dashboard page over 100k rows (AppTest and 
 	$(BIN)/python -m dashboard.page_timing --browser $(ARGS)
 
 bench: setup ## Our decode loop against transformers' generate(): same weights, interleaved rounds; prints the table
-	$(BIN)/python -m experiments.bench $(ARGS)
+	$(BIN)/python -m experiments.versus $(ARGS)
 
 bench-sweep: setup ## How a sweep's wall time grows with its points, with warm workers and with a fresh process each
 	$(BIN)/python -m experiments.sweep_cost $(ARGS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import time
@@ -10,14 +11,14 @@ from typing import Any
 
 import pandas as pd
 from hydra import compose
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from harness import crossover
 from harness.config import RunConfig
-from harness.errors import ConfigError
+from harness.errors import ConfigError, exit_on_config_error
 from harness.store import disk, summary
 from harness.sweep import SKIPPED
 
@@ -25,10 +26,32 @@ log = logging.getLogger("kvbench")
 
 
 def sweep_jobs(config: DictConfig) -> list[list[str]]:
-    """The override list of every job of this multirun, expanded exactly as Hydra's basic sweeper does."""
+    """The override list of every job of this multirun, expanded exactly as Hydra's basic sweeper does: the
+    sweeper's params first, then the command line's overrides (a later override of a key replaces the earlier one in
+    its place); every combination of the swept values, the last key varying fastest."""
     params = [f"{key}={value}" for key, value in (config.hydra.sweeper.get("params") or {}).items()]
     overrides = OverridesParser.create().parse_overrides(params + list(config.hydra.overrides.task))
-    return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+    choices: dict[str, list[str]] = {}  # key -> its overrides, one per swept value (one for a plain override)
+    for override in overrides:
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            choices[key] = [f"{key}={override.get_value_element_as_str()}"]
+        elif override.is_discrete_sweep():  # choice, glob or range: values to enumerate
+            choices[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:  # interval(a,b): a sweeper that samples (Optuna, Ax) may run it; the basic sweeper refuses it too
+            raise HydraException(f"{key}: the basic sweeper does not support sweep type {override.value_type.name}")
+    return [list(job) for job in itertools.product(*choices.values())]
+
+
+@exit_on_config_error
+def validate_points(jobs: list[list[str]]) -> None:
+    """Validate every point before the first is measured: bad input costs a second, not half a sweep. The one line
+    names the point (`kvbench: bad config: sweep point [cache=paged batch_size=0]: batch_size: ...`)."""
+    for job in jobs:
+        try:
+            RunConfig(**OmegaConf.to_container(compose(config_name="config", overrides=job), resolve=True))
+        except ConfigError as exc:
+            raise ConfigError(f"sweep point [{' '.join(job)}]: {exc}") from exc
 
 
 class SweepProgress(Callback):
@@ -52,13 +75,7 @@ class SweepProgress(Callback):
                 key, _, value = override.partition("=")
                 values.setdefault(key, set()).add(value)
         self.swept_keys = {key for key, seen in values.items() if len(seen) > 1}
-        # Validate every point before the first is measured: bad input costs a second, not half a sweep.
-        for job in jobs:
-            try:
-                RunConfig(**OmegaConf.to_container(compose(config_name="config", overrides=job), resolve=True))
-            except ConfigError as exc:
-                print(f"kvbench: bad config in sweep point [{' '.join(job)}]: {exc}", file=sys.stderr)
-                sys.exit(2)
+        validate_points(jobs)
         log.info("sweep of %d points -> %s", self.total, self.sweep_dir)
 
     def sweep_rows(self) -> pd.DataFrame:

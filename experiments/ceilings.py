@@ -11,7 +11,6 @@ run on the same device, this app's and the decode rows' alike.
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass
 
 import hydra
@@ -21,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness import ceilings
 from harness.config import DEVICES
-from harness.errors import ConfigError
+from harness.errors import ConfigError, exit_on_config_error
 
 log = logging.getLogger("kvbench")
 
@@ -44,12 +43,9 @@ ConfigStore.instance().store(name="ceilings_config", node=CeilingsConfig)
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="ceilings")
+@exit_on_config_error
 def main(cfg: DictConfig) -> None:
-    try:
-        config = CeilingsConfig(**OmegaConf.to_container(cfg, resolve=True))
-    except ConfigError as exc:
-        print(f"kvbench: bad config: {exc}", file=sys.stderr)
-        sys.exit(2)
+    config = CeilingsConfig(**OmegaConf.to_container(cfg, resolve=True))
     device = ceilings.resolve_device(config.device)
     measured = ceilings.load_or_measure(device, config.results_dir, quick=config.quick, force=config.force)
     print(ceilings.format_table(measured, spec=ceilings.spec_for(measured.device_name)))

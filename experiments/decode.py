@@ -10,6 +10,7 @@ Each point is validated before any model is built, measured in its own spawned p
 
 from __future__ import annotations
 
+import atexit
 import logging
 import sys
 from pathlib import Path
@@ -21,12 +22,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness import runner, sweep
 from harness.config import RunConfig
-from harness.errors import ConfigError
+from harness.errors import ConfigError, exit_on_config_error
+from harness.point_result import PointResult
 from harness.store import disk, summary
 
 log = logging.getLogger("kvbench")
 
 ConfigStore.instance().store(name="run_config", node=RunConfig)
+
+# Hydra calls main once per job, all in this process (the basic launcher) or one per process (submitit): the worker
+# kept warm between this process's points is this entry point's, closed when the process exits.
+POINTS = runner.Runner()
+atexit.register(POINTS.close)
 
 
 def output_dir() -> Path:
@@ -36,17 +43,13 @@ def output_dir() -> Path:
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
+@exit_on_config_error  # bad input: one line, nothing built, nothing recorded; the exit stops a sweep there
 def main(cfg: DictConfig) -> dict:
     """Measure (or skip) one point. Returns {status, path, point_id}: what became of it and where its row is (an
     earlier one when skipped), which SweepProgress gathers for the sweep's summary."""
-    try:
-        run_cfg = RunConfig(**OmegaConf.to_container(cfg, resolve=True))
-        directory = inside_results_dir(output_dir(), run_cfg.results_dir)
-    except ConfigError as exc:
-        # Bad input: one line, nothing built, nothing recorded. Exit stops a sweep before it measures more.
-        print(f"kvbench: bad config: {exc}", file=sys.stderr)
-        sys.exit(2)
-    base = runner.failure_row(run_cfg, "", "")  # the point's config and environment columns, nothing measured
+    run_cfg = RunConfig(**OmegaConf.to_container(cfg, resolve=True))
+    directory = inside_results_dir(output_dir(), run_cfg.results_dir)
+    base = runner.point_columns(run_cfg)  # the point's config and environment columns, nothing measured
     if not run_cfg.force:
         earlier = sweep.recorded(base["point_id"], base["device_name"], run_cfg.results_dir)
         if earlier is not None:
@@ -58,15 +61,14 @@ def main(cfg: DictConfig) -> dict:
             return {"status": sweep.SKIPPED, "path": earlier["path"], "point_id": base["point_id"]}
     cause = sweep.oom_cause(run_cfg, base, directory) if run_cfg.oom_backstop else None
     if cause is not None:
-        row = base | {"status": "skipped_oom", "error": sweep.skipped_oom_error(cause)}
+        result = PointResult(row=base | {"status": "skipped_oom", "error": sweep.skipped_oom_error(cause)})
     else:
-        row = runner.run_point(run_cfg)
-    row |= {"sweep_id": directory.name}
-    top_ops = row.pop("top_ops", None)  # the profiler's table: a second parquet keyed by point_id
+        result = POINTS.run_point(run_cfg)
+    row = result.row | {"sweep_id": directory.name}
     try:
         path = disk.write_point(row, directory)
-        if top_ops is not None:
-            disk.write_ops(row["point_id"], top_ops, directory)
+        if result.ops is not None:  # the profiler's table: a second parquet keyed by point_id
+            disk.write_ops(row["point_id"], result.ops, directory)
     except OSError as exc:  # disk full, read-only, over quota: every earlier row is whole; stop the sweep here
         print(f"kvbench: cannot write results to {directory}: {exc}; this point is not recorded", file=sys.stderr)
         sys.exit(1)

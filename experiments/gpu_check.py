@@ -35,6 +35,7 @@ from experiments.sizing import (
     stage_predictions,
 )
 from harness import crossover
+from harness.errors import exit_on_config_error
 from harness.store import disk
 
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -291,7 +292,7 @@ def machine_lines() -> list[str]:
 
     import torch
 
-    from harness.bench import nvidia_driver_version
+    from harness.environment import nvidia_driver_version
 
     try:
         smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout.strip()
@@ -413,6 +414,7 @@ def plan_table(*, gpu: Gpu = H200) -> pd.DataFrame:
     return pd.DataFrame(lines).astype({"points": "Int64", "predicted_s": "Int64"})
 
 
+@exit_on_config_error  # plan composes every preset the script runs: a bad one is a line, not a traceback
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.gpu_check", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)

@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.errors import ConfigError, exit_on_config_error
+
 ROOT = Path(__file__).resolve().parents[1]
 POINT = [  # one quick point: the measurement itself is small, so what remains is the harness's own cost per point
     "model=tiny",
@@ -55,16 +57,25 @@ def slope(xs: list[int], ys: list[float]) -> float:
     return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum((x - mean_x) ** 2 for x in xs)
 
 
+def parse_sizes(points: str) -> list[int]:
+    """--points as sweep sizes: at least two, each a positive integer."""
+    try:
+        sizes = [int(item) for item in points.split(",")]
+    except ValueError:
+        raise ConfigError(
+            f"--points: {points!r} is not a comma-separated list of integers; allowed: e.g. 1,2,4,8"
+        ) from None
+    if len(sizes) < 2 or min(sizes) < 1:
+        raise ConfigError(f"--points: needs at least two positive sizes, got {points!r}; allowed: e.g. 1,2,4,8")
+    return sizes
+
+
+@exit_on_config_error
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.sweep_cost", description=__doc__.splitlines()[0])
     parser.add_argument("--points", default="1,2,4,8", help="sweep sizes, comma-separated (default 1,2,4,8)")
     args = parser.parse_args(argv)
-    try:
-        sizes = [int(item) for item in args.points.split(",")]
-    except ValueError:
-        parser.error(f"--points: {args.points!r} is not a comma-separated list of integers; allowed: e.g. 1,2,4,8")
-    if len(sizes) < 2 or min(sizes) < 1:
-        parser.error(f"--points: needs at least two positive sizes, got {args.points!r}")
+    sizes = parse_sizes(args.points)
     with tempfile.TemporaryDirectory() as ceilings_dir:
         sweep_seconds(1, reuse=True, ceilings_dir=Path(ceilings_dir))  # measures the quick ceilings once, untimed
         table = {

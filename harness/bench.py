@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
-import functools
 import hashlib
-import importlib.metadata
 import json
 import logging
 import math
-import platform
-import socket
 import statistics
-import subprocess
 from pathlib import Path
 
 import torch
@@ -21,11 +15,12 @@ import torch
 from harness import accuracy, ceilings, fragmentation, kv, profile, roofline
 from harness.config import DTYPES, RunConfig
 from harness.decode import check_compilable, compile_decode_step, cudagraph_skips, generate
+from harness.environment import environment_columns
 from harness.errors import Unsupported
 from harness.kv.base import CacheSpec
 from harness.model import build_model, weights_bytes
+from harness.point_result import PointResult
 from harness.probes import MemoryProbe
-from harness.store.schema import SCHEMA_VERSION
 from harness.timing import RepeatPolicy, StepTimer, measure, summarize
 
 log = logging.getLogger(__name__)
@@ -34,15 +29,15 @@ log = logging.getLogger(__name__)
 COMPILE_WARMUP_STEPS = 3
 
 
-def run_point(cfg: RunConfig) -> dict:
-    """Build, warm up, measure; return the row (without sweep_id, which the caller knows)."""
+def run_point(cfg: RunConfig) -> PointResult:
+    """Build, warm up, measure; return the row (without sweep_id, which the caller knows) and the profiler's top ops."""
     device = cfg.torch_device()
     args = cfg.model_args()
     row = config_columns(cfg) | environment_columns(device)
 
     spec = cache_spec(cfg)
     if cfg.lengths == "mixed":  # an allocation measurement: no model, no timing
-        return row | fragmentation.waste_columns(cfg, spec) | {"status": "ok"}
+        return PointResult(row=row | fragmentation.waste_columns(cfg, spec) | {"status": "ok"})
     probe = MemoryProbe(device)
     probe.baseline()  # before the model loads
     with probe:
@@ -115,6 +110,7 @@ def run_point(cfg: RunConfig) -> dict:
     row |= probe.validity_columns()
     if cfg.roofline:
         row |= roofline_columns(cfg, args=args, tpot_ms=row["tpot_ms"], ttft_ms=row["ttft_ms"])
+    top_ops = None
     # A separate pass: the timing above stays clean. It profiles eager decode steps, so a compiled point skips it
     # rather than attribute eager kernels to a compiled row.
     if cfg.profile and cfg.gen_len > 2 and cfg.compile == "none":
@@ -122,7 +118,7 @@ def run_point(cfg: RunConfig) -> dict:
         prof_columns, top_ops = profile.profile_decode(
             model, cache, prompt, n_steps=min(cfg.profile_steps, cfg.gen_len - 2), device=device, trace_path=trace
         )
-        row |= prof_columns | {"top_ops": top_ops}
+        row |= prof_columns
     if (cfg.accuracy and is_lossy(cfg)) or cfg.eval_text:
         row |= accuracy_columns(cfg, model=model, cache=cache, spec=spec, prompt=prompt)
     row["weights_bytes"] = weights_bytes(model)
@@ -140,7 +136,7 @@ def run_point(cfg: RunConfig) -> dict:
                 f"compile=reduce-overhead: inductor skipped CUDA graphs {skips} time(s), so the step ran without "
                 "them; TORCH_LOGS=perf_hints logs the reason"
             )
-    return row
+    return PointResult(row=row, ops=top_ops)
 
 
 def cache_spec(cfg: RunConfig) -> CacheSpec:
@@ -287,83 +283,3 @@ def _json_safe(value: object) -> object:
     if isinstance(value, (list, tuple)):
         return [_json_safe(item) for item in value]
     return value
-
-
-def environment_columns(device: torch.device) -> dict:
-    """Where and with what the point ran: enough to tell two rows' environments apart (results diff)."""
-    cuda = device.type == "cuda"
-    return {
-        "git_sha": git_sha(),
-        "git_dirty": git_dirty(),
-        "host": socket.gethostname(),
-        "cpu_model": cpu_model(),
-        "device_name": ceilings.device_name(device),
-        "device_count": torch.cuda.device_count() if cuda else 1,
-        "driver_version": nvidia_driver_version() if cuda else None,
-        "cuda_version": torch.version.cuda if cuda else None,
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),
-        "kvbench_version": kvbench_version(),
-        "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "schema_version": SCHEMA_VERSION,
-    }
-
-
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if out.returncode != 0:  # not a git checkout (an installed copy, a tarball)
-        return None
-    return out.stdout
-
-
-@functools.cache
-def git_sha() -> str | None:
-    out = _git("rev-parse", "HEAD")
-    return out.strip() or None if out is not None else None
-
-
-@functools.cache
-def git_dirty() -> bool | None:
-    """Uncommitted changes to tracked files (untracked files, such as results, do not count)."""
-    # --no-optional-locks: status must not take index.lock to refresh the index, or a commit made meanwhile fails.
-    out = _git("--no-optional-locks", "status", "--porcelain", "--untracked-files=no")
-    return None if out is None else bool(out.strip())
-
-
-@functools.cache
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-@functools.cache
-def kvbench_version() -> str | None:
-    try:
-        return importlib.metadata.version("kvbench")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-@functools.cache
-def nvidia_driver_version() -> str | None:
-    """The NVIDIA driver's version through NVML (package nvidia-ml-py), or None without it: cached, since the driver
-    cannot change under a running process."""
-    try:
-        import pynvml  # nvidia-ml-py
-
-        pynvml.nvmlInit()
-        try:
-            version = pynvml.nvmlSystemGetDriverVersion()
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no NVML library, no driver access: the column stays null
-        return None
-    return version.decode() if isinstance(version, bytes) else version

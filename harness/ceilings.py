@@ -21,7 +21,6 @@ import json
 import logging
 import math
 import os
-import platform
 import re
 import statistics
 import time
@@ -33,6 +32,7 @@ import pandas as pd
 import psutil
 import torch
 
+from harness.environment import device_name  # the CUDA device's or the CPU's name
 from harness.spec import SPEC_PEAKS_CSV, spec_for, spec_peaks  # noqa: F401 (part of this module's API)
 from harness.store.atomic import atomic_write
 from harness.store.summary import text_table
@@ -134,18 +134,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def device_name(device: torch.device) -> str:
-    """The marketing name: torch's for CUDA ("NVIDIA H200"), /proc/cpuinfo's model name for the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def last_level_cache_bytes(device: torch.device) -> int:

@@ -7,12 +7,12 @@ signal when the worker dies (a segfault, a kill). The parent never raises for a 
 Isolation without its price: starting Python and importing torch costs seconds, so a worker whose point ended ok
 or unsupported stays warm for the next point of the sweep (optimum-benchmark spawns per run; we spawn again only
 after a failure). Each point still gets its own peak RSS (probes.reset_peak_rss), and a worker is replaced after an
-OOM, an error, a death, or a point capped by max_memory_gb (reusable()).
+OOM, an error, a death, or a point capped by max_memory_gb (reusable()). A Runner owns that warm worker: the entry
+point creates one for its process and closes it at exit; run_point() alone measures one point with a fresh one.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import logging
@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from harness import bench, ceilings, probes
+from harness import bench, ceilings, environment, probes
 from harness.config import RunConfig
 from harness.errors import Unsupported
+from harness.point_result import PointResult
 
 log = logging.getLogger(__name__)
 
@@ -57,29 +58,52 @@ def ensure_ceilings(cfg: RunConfig) -> None:
         log.warning("measuring the ceilings failed (exit code %s): roofline columns will lack peaks", child.exitcode)
 
 
-def run_point(cfg: RunConfig) -> dict:
-    """The row for one point: measured in a spawned worker when cfg.isolate, else in this process."""
-    global _warm
-    ensure_ceilings(cfg)
-    if not cfg.isolate:
-        if cfg.max_memory_gb is not None:
-            log.warning("max_memory_gb is applied only to isolated points; isolate=false ignores it")
-        return _guarded(cfg)
-    worker, _warm = _warm, None
-    if worker is None or not worker.alive():
-        if worker is not None:
+class Runner:
+    """Measures points one after another, keeping the worker of a point that ended ok or unsupported warm for the
+    next (no interpreter start, no torch import). Its owner closes it: `with Runner() as points:`, or close()."""
+
+    def __init__(self) -> None:
+        self.warm: Worker | None = None  # the worker kept between points, None when there is none to reuse
+
+    def run_point(self, cfg: RunConfig) -> PointResult:
+        """The point's result: measured in a spawned worker when cfg.isolate, else in this process."""
+        ensure_ceilings(cfg)
+        if not cfg.isolate:
+            if cfg.max_memory_gb is not None:
+                log.warning("max_memory_gb is applied only to isolated points; isolate=false ignores it")
+            return _guarded(cfg)
+        worker, self.warm = self.warm, None
+        if worker is None or not worker.alive():
+            if worker is not None:
+                worker.close()
+            worker = Worker()
+        oom_kills = cgroup_oom_kills()
+        result = worker.run(cfg)
+        if result is None:  # the worker died inside the point: a segfault, a kill, the kernel's OOM killer
+            result = PointResult(row=death_row(cfg, worker.exitcode(), oom_killed=cgroup_oom_kills() > oom_kills))
             worker.close()
-        worker = Worker()
-    oom_kills = cgroup_oom_kills()
-    row = worker.run(cfg)
-    if row is None:  # the worker died inside the point: a segfault, a kill, the kernel's OOM killer
-        row = death_row(cfg, worker.exitcode(), oom_killed=cgroup_oom_kills() > oom_kills)
-        worker.close()
-    elif reusable(cfg, row) and worker.peak_resettable:
-        _warm = worker  # warm for the next point: no interpreter start, no torch import
-    else:
-        worker.close()
-    return row
+        elif reusable(cfg, result.row) and worker.peak_resettable:
+            self.warm = worker
+        else:
+            worker.close()
+        return result
+
+    def close(self) -> None:
+        if self.warm is not None:
+            self.warm.close()
+            self.warm = None
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_point(cfg: RunConfig) -> PointResult:
+    """One point on its own, in a worker started for it and closed after it (a sweep keeps a Runner instead)."""
+    with Runner() as points:
+        return points.run_point(cfg)
 
 
 def reusable(cfg: RunConfig, row: dict) -> bool:
@@ -109,8 +133,8 @@ class Worker:
     def alive(self) -> bool:
         return self.process.is_alive()
 
-    def run(self, cfg: RunConfig) -> dict | None:
-        """The point's row, or None when the worker died before answering."""
+    def run(self, cfg: RunConfig) -> PointResult | None:
+        """The point's result, or None when the worker died before answering."""
         try:
             self.conn.send(cfg)
             return self.conn.recv()
@@ -130,15 +154,6 @@ class Worker:
             self.process.kill()
             self.process.join()
         self.conn.close()
-
-
-_warm: Worker | None = None  # the worker kept warm between points of this process (a sweep's parent)
-
-
-@atexit.register
-def _close_warm_worker() -> None:
-    if _warm is not None:
-        _warm.close()
 
 
 def _worker_main(conn, parent_pid: int) -> None:
@@ -191,16 +206,17 @@ def cgroup_oom_kills() -> int:
     return 0
 
 
-def _guarded(cfg: RunConfig) -> dict:
+def _guarded(cfg: RunConfig) -> PointResult:
+    """The point measured in this process; a failure is its row (unsupported, oom or error), never an exception."""
     try:
         return bench.run_point(cfg)
     except Unsupported as exc:
-        return failure_row(cfg, "unsupported", str(exc))
+        return PointResult(row=failure_row(cfg, "unsupported", str(exc)))
     except Exception as exc:
         status = "oom" if is_oom(exc) else "error"
         if status == "error":
             log.error("point %s failed:\n%s", cfg.point_id(), traceback.format_exc())
-        return failure_row(cfg, status, f"{type(exc).__name__}: {exc}")
+        return PointResult(row=failure_row(cfg, status, f"{type(exc).__name__}: {exc}"))
     finally:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -257,6 +273,11 @@ def limit_memory(cfg: RunConfig) -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (limit_bytes, hard))
 
 
+def point_columns(cfg: RunConfig) -> dict:
+    """What a point's row holds before anything is measured: its identity, its config and this environment."""
+    return bench.config_columns(cfg) | environment.environment_columns(cfg.torch_device())
+
+
 def failure_row(cfg: RunConfig, status: str, error: str) -> dict:
-    device = cfg.torch_device()
-    return bench.config_columns(cfg) | bench.environment_columns(device) | {"status": status, "error": error}
+    """The row of a point that did not measure: its point columns, why (status) and what happened (error)."""
+    return point_columns(cfg) | {"status": status, "error": error}

@@ -5,14 +5,16 @@ std 0.02) and saves it as safetensors; both loops then load that one directory, 
 harness.model.build_model(weights=<dir>). In fp32 both produce the same greedy tokens (tests/test_versus.py), and each
 row's output_digest says whether they did at this point.
 
-The loops of one case, each a closure that runs one whole greedy generation and returns (tokens [B, gen_len], Sample):
-    contiguous        harness.decode.generate over the contiguous cache, timed as harness.bench.run_point times it:
+The loops of one case (each row's `loop` column; `runner` says whose loop it is, `cache` the kvbench strategy it
+decodes through, null for transformers' own caches), each a closure that runs one whole greedy generation and
+returns (tokens [B, gen_len], Sample):
+    kvbench           harness.decode.generate over the contiguous cache, timed as harness.bench.run_point times it:
                       StepTimer marks after the prefill and after every step, a MemoryProbe around the generation
                       (its NVML sampler thread runs on CUDA)
     hf-dynamic        transformers' generate() with its default cache (DynamicCache: torch.cat per step)
     hf-static         generate(cache_implementation="static"): StaticCache, and on CUDA generate() then compiles the
                       forward itself (mode reduce-overhead, recorded in the `compile` column)
-    contiguous-bare   the first loop with no probe and a timer that stamps only start, end of prefill and end of
+    kvbench-bare      the first loop with no probe and a timer that stamps only start, end of prefill and end of
                       decode: what the harness's instruments cost is the gap between the two
 
 Timing transformers: a streamer's put() is called with the prompt before the prefill, then with every new token as
@@ -21,7 +23,8 @@ step's latency exactly as our Sample holds them. Greedy, no EOS (eos_token_id No
 
 Interleaving: one warm-up generation of each loop, then `rounds` rounds of A B C D. A drift (clocks, heat, a
 neighbour's load on a shared host) then hits every loop alike instead of whichever happened to run during it. The
-figures are medians over the rounds (harness.timing.summarize), the same statistics as every kvbench row.
+figures are medians over the rounds (harness.timing.summarize), the same statistics as every kvbench row; the table that
+compares them is harness/versus_table.py.
 """
 
 from __future__ import annotations
@@ -36,48 +39,24 @@ from typing import Any
 import torch
 
 from harness import kv
-from harness.bench import cache_spec, config_columns, digest, environment_columns, make_prompts, roofline_columns
+from harness.bench import cache_spec, config_columns, digest, make_prompts, roofline_columns
 from harness.config import DTYPES, RunConfig
 from harness.decode import generate
+from harness.environment import environment_columns
 from harness.model import ModelArgs, Transformer, build_model, weights_bytes
 from harness.probes import MemoryProbe
 from harness.timing import Sample, StepTimer, summarize
 
 log = logging.getLogger(__name__)
 
-OURS = "contiguous"  # the `cache` column of each loop's rows: which loop made it
-BARE = "contiguous-bare"
-HF_CACHES = {"hf-dynamic": None, "hf-static": "static"}  # -> generate()'s cache_implementation; None: its default
-LOOPS = (OURS, *HF_CACHES, BARE)  # the order of every round
+STRATEGY = "contiguous"  # the kvbench strategy both of our loops decode through (the `cache` column of their rows)
+OURS = "kvbench"  # the `loop` column of each loop's rows: which loop made it
+BARE = "kvbench-bare"
+HF_LOOPS = {"hf-dynamic": None, "hf-static": "static"}  # -> generate()'s cache_implementation; None: its default
+LOOPS = (OURS, *HF_LOOPS, BARE)  # the order of every round
 HF_ATTN_IMPLEMENTATION = "sdpa"  # as ours: torch's scaled_dot_product_attention
 WEIGHTS_LABEL = "hf-random"  # the `weights` column: transformers' seeded init, saved once, loaded by both loops
 INIT_STD = 0.02  # transformers' initializer_range default, as GPT-2's init
-
-# The targets of the issue ("a decode loop at the roofline, proven side by side against transformers").
-TARGET_BW_FRACTION = 0.75  # of the measured copy bandwidth, at batch 1 where decode is a stream of the weights
-TARGET_SPEEDUP = 1.5  # over transformers' faster cache
-TARGET_OVERHEAD = 0.02  # probes and step marks against the bare loop
-
-
-# --- the formulas the table prints ----------------------------------------------------------------------------------
-
-
-def bw_fraction(*, bytes_per_step: float, tpot_ms: float, peak_bw_gbps: float | None) -> float | None:
-    """The share of the measured copy bandwidth a loop's step time implies: (bytes / step time) / peak."""
-    if peak_bw_gbps is None or not peak_bw_gbps > 0 or not tpot_ms > 0:
-        return None
-    return bytes_per_step / (tpot_ms * 1e-3) / (peak_bw_gbps * 1e9)
-
-
-def speedup(*, ours_tpot_ms: float, theirs_tpot_ms: float) -> float:
-    """How many times faster our decode step is: their TPOT over ours (> 1: ours is faster)."""
-    return theirs_tpot_ms / ours_tpot_ms
-
-
-def overhead_fraction(*, probed_tpot_ms: float, bare_tpot_ms: float) -> float:
-    """What the instruments add to a step, as a fraction of the bare step (0.01 = 1% slower with them)."""
-    return (probed_tpot_ms - bare_tpot_ms) / bare_tpot_ms
-
 
 # --- same config, same weights --------------------------------------------------------------------------------------
 
@@ -293,12 +272,12 @@ def measure_case(cfg: RunConfig, *, our_model: Transformer, hf_model: Any, round
     device = cfg.torch_device()
     args = cfg.model_args()
     prompt = make_prompts(cfg, vocab_size=args.vocab_size).to(device)
-    cache = kv.build(OURS, cache_spec(cfg), {})
+    cache = kv.build(STRATEGY, cache_spec(cfg), {})
     loops = {
         OURS: our_loop(our_model, cache, prompt, gen_len=cfg.gen_len, probed=True),
         **{
             name: _hf_loop(hf_model, prompt, gen_len=cfg.gen_len, cache_implementation=implementation)
-            for name, implementation in HF_CACHES.items()
+            for name, implementation in HF_LOOPS.items()
         },
         BARE: our_loop(our_model, cache, prompt, gen_len=cfg.gen_len, probed=False),
     }
@@ -306,11 +285,10 @@ def measure_case(cfg: RunConfig, *, our_model: Transformer, hf_model: Any, round
     rows = []
     for name in loops:
         tokens = measured[name][-1][0]
-        is_hf = name in HF_CACHES
+        is_hf = name in HF_LOOPS
         row = loop_row(cfg, loop=name, samples=[sample for _, sample in measured[name]], tokens=tokens)
         row |= {
-            "runner": "transformers" if is_hf else "kvbench",
-            "compile": hf_compile_mode(hf_model) if HF_CACHES.get(name) == "static" else cfg.compile,
+            "compile": hf_compile_mode(hf_model) if HF_LOOPS.get(name) == "static" else cfg.compile,
             "weights_bytes": weights_bytes(hf_model if is_hf else our_model),
         }
         if not is_hf:  # transformers' caches are not ours to measure; its static one holds as many bytes
@@ -361,6 +339,20 @@ def _hf_loop(model: Any, prompt: torch.Tensor, *, gen_len: int, cache_implementa
     return lambda: hf_generate(model, prompt, gen_len=gen_len, cache_implementation=cache_implementation)
 
 
+def loop_columns(cfg: RunConfig, *, loop: str) -> dict:
+    """The columns make bench sets on a loop's row, measured or failed: its point_id, whose loop (`runner`), which
+    loop (`loop`), the kvbench strategy it decodes through (`cache`: null for transformers' own caches), and the
+    weights every loop shares."""
+    is_hf = loop in HF_LOOPS
+    return {
+        "point_id": point_id(cfg, loop=loop),
+        "runner": "transformers" if is_hf else "kvbench",
+        "loop": loop,
+        "cache": None if is_hf else STRATEGY,
+        "weights": WEIGHTS_LABEL,
+    }
+
+
 def loop_row(cfg: RunConfig, *, loop: str, samples: list[Sample], tokens: torch.Tensor) -> dict:
     """A kvbench row for one loop: config, environment, latency and roofline columns, the analytic bytes being the
     contiguous cache's for every loop (the ideal any loop could reach at this point)."""
@@ -368,101 +360,12 @@ def loop_row(cfg: RunConfig, *, loop: str, samples: list[Sample], tokens: torch.
     row = config_columns(cfg) | environment_columns(device)
     row |= summarize(samples, batch_size=cfg.batch_size, prompt_len=cfg.prompt_len)
     row |= roofline_columns(cfg, args=cfg.model_args(), tpot_ms=row["tpot_ms"], ttft_ms=row["ttft_ms"])
-    return row | {
-        "point_id": point_id(cfg, loop=loop),
-        "cache": loop,
-        "weights": WEIGHTS_LABEL,
-        "attn_backend": HF_ATTN_IMPLEMENTATION,
-        "output_digest": digest(tokens),
-        "status": "ok",
-    }
-
-
-# --- the table ------------------------------------------------------------------------------------------------------
-
-
-def case_verdict(rows: list[dict]) -> dict:
-    """One case's comparisons from its rows (LOOPS order): speedups, bandwidth shares, overhead, the targets."""
-    by_loop = {row["cache"]: row for row in rows}
-    ours, bare = by_loop[OURS], by_loop[BARE]
-    best_hf = min((by_loop[name] for name in HF_CACHES), key=lambda row: row["tpot_ms"])
-    best_speedup = speedup(ours_tpot_ms=ours["tpot_ms"], theirs_tpot_ms=best_hf["tpot_ms"])
-    overhead = overhead_fraction(probed_tpot_ms=ours["tpot_ms"], bare_tpot_ms=bare["tpot_ms"])
-    ours_bw = bw_fraction(
-        bytes_per_step=ours["bytes_per_step"], tpot_ms=ours["tpot_ms"], peak_bw_gbps=ours["peak_bw_gbps"]
+    return (
+        row
+        | loop_columns(cfg, loop=loop)
+        | {
+            "attn_backend": HF_ATTN_IMPLEMENTATION,
+            "output_digest": digest(tokens),
+            "status": "ok",
+        }
     )
-    return {
-        "best_hf": best_hf["cache"],
-        "speedup_vs_best": best_speedup,
-        "overhead": overhead,
-        "ours_bw_fraction": ours_bw,
-        "same_tokens_as_hf": all(by_loop[name]["output_digest"] == ours["output_digest"] for name in HF_CACHES),
-        # Only batch 1 is held to the bandwidth target: larger batches add compute per weight byte read.
-        "meets_bw": None if ours["batch_size"] != 1 or ours_bw is None else ours_bw >= TARGET_BW_FRACTION,
-        "meets_speedup": best_speedup >= TARGET_SPEEDUP,
-        "meets_overhead": overhead <= TARGET_OVERHEAD,
-    }
-
-
-def format_table(rows: list[dict]) -> str:
-    """Every loop of every case (tokens/s, TPOT, TTFT, ours/theirs, share of copy bandwidth), then the targets.
-
-    A case is (model, dtype, batch); one run holds one prompt_len and gen_len, said once under the table.
-    """
-    cases: dict[tuple[str, str, int], list[dict]] = {}
-    for row in rows:
-        cases.setdefault((row["model"], row["dtype"], row["batch_size"]), []).append(row)
-
-    def case_label(case: tuple[str, str, int]) -> str:
-        model, dtype, batch = case
-        return f"{model:<8}{dtype:<6}{batch:>6}  "
-
-    lines = [
-        f"{case_label(('model', 'dtype', 'batch'))}{'runner':<13}{'cache':<16}{'tok/s':>9}{'TPOT ms':>10}"
-        f"{'TTFT ms':>10}{'ours/this':>10}{'copy BW':>9}{'TPOT cv':>9}"
-    ]
-    for case, case_rows in cases.items():
-        ours = next(row for row in case_rows if row["cache"] == OURS)
-        for row in case_rows:
-            ratio = speedup(ours_tpot_ms=ours["tpot_ms"], theirs_tpot_ms=row["tpot_ms"])
-            share = bw_fraction(
-                bytes_per_step=row["bytes_per_step"], tpot_ms=row["tpot_ms"], peak_bw_gbps=row["peak_bw_gbps"]
-            )
-            lines.append(
-                f"{case_label(case)}{row['runner']:<13}{row['cache']:<16}{row['decode_tok_s']:>9.1f}"
-                f"{row['tpot_ms']:>10.2f}{row['ttft_ms']:>10.1f}{ratio:>9.2f}x{_percent(share):>9}{_percent(row.get('tpot_cv'), digits=1):>9}"
-            )
-    first = rows[0] if rows else {}
-    lines += [
-        "",
-        f"prompt {first.get('prompt_len')}, gen {first.get('gen_len')}; medians over {first.get('repeats')} "
-        f"interleaved rounds; copy BW = bytes_per_step / TPOT over the measured copy bandwidth "
-        f"({_gbps(first.get('peak_bw_gbps'))}); ours/this = our tok/s / this loop's (its TPOT / our TPOT); TPOT cv = "
-        "the rounds' spread (std / mean): a difference smaller than it is noise",
-        "",
-        f"{case_label(('model', 'dtype', 'batch'))}{'>=75% copy BW (b1)':<20}{'>=1.5x HF best':<24}"
-        f"{'overhead <=2%':<18}{'same tokens as HF'}",
-    ]
-    for case, case_rows in cases.items():
-        verdict = case_verdict(case_rows)
-        bw = (
-            "-"
-            if verdict["meets_bw"] is None
-            else f"{_yes(verdict['meets_bw'])} ({_percent(verdict['ours_bw_fraction'])})"
-        )
-        best = f"{_yes(verdict['meets_speedup'])} ({verdict['speedup_vs_best']:.2f}x {verdict['best_hf']})"
-        overhead = f"{_yes(verdict['meets_overhead'])} ({100 * verdict['overhead']:+.1f}%)"
-        lines.append(f"{case_label(case)}{bw:<20}{best:<24}{overhead:<18}{_yes(verdict['same_tokens_as_hf'])}")
-    return "\n".join(line.rstrip() for line in lines)
-
-
-def _percent(fraction: float | None, *, digits: int = 0) -> str:
-    return "-" if fraction is None else f"{100 * fraction:.{digits}f}%"
-
-
-def _gbps(value: float | None) -> str:
-    return "not measured" if value is None else f"{value:.1f} GB/s"
-
-
-def _yes(flag: bool) -> str:
-    return "yes" if flag else "no"

@@ -104,30 +104,33 @@ class KilledConfig(RunConfig):
 
 @pytest.mark.parametrize(("config", "signal_name"), [(SegfaultingConfig, "SIGSEGV"), (KilledConfig, "SIGKILL")])
 def test_a_measuring_process_that_dies_is_an_error_row_with_its_signal_and_the_next_point_runs(config, signal_name):
-    row = runner.run_point(config(**FAST_POINT))
-    assert row["status"] == "error"
-    assert f"killed by signal {signal_name}" in row["error"]
-    assert row["point_id"] == RunConfig(**FAST_POINT).point_id() and row["model"] == "tiny"
-    assert runner.run_point(RunConfig(**FAST_POINT))["status"] == "ok"  # a fresh worker took over
+    with runner.Runner() as points:
+        row = points.run_point(config(**FAST_POINT)).row
+        assert row["status"] == "error"
+        assert f"killed by signal {signal_name}" in row["error"]
+        assert row["point_id"] == RunConfig(**FAST_POINT).point_id() and row["model"] == "tiny"
+        assert points.run_point(RunConfig(**FAST_POINT)).row["status"] == "ok"  # a fresh worker took over
 
 
 def test_a_warm_worker_serves_the_next_point_and_reports_that_points_own_peak():
-    runner.run_point(RunConfig(**FAST_POINT))
-    worker = runner._warm
-    assert worker is not None and worker.alive()
-    big = runner.run_point(RunConfig(**FAST_POINT | dict(model={"name": "small"}, batch_size=4, prompt_len=256)))
-    assert runner._warm is worker  # the same process measured the second point
-    small_warm = runner.run_point(RunConfig(**FAST_POINT))
-    small_fresh = runner.run_point(RunConfig(**FAST_POINT, reuse_worker=False))
-    assert runner._warm is None  # reuse_worker=false: that worker was closed
+    with runner.Runner() as points:
+        points.run_point(RunConfig(**FAST_POINT))
+        worker = points.warm
+        assert worker is not None and worker.alive()
+        big = points.run_point(RunConfig(**FAST_POINT | dict(model={"name": "small"}, batch_size=4, prompt_len=256)))
+        assert points.warm is worker  # the same process measured the second point
+        small_warm = points.run_point(RunConfig(**FAST_POINT)).row
+        small_fresh = points.run_point(RunConfig(**FAST_POINT, reuse_worker=False)).row
+        assert points.warm is None  # reuse_worker=false: that worker was closed
     # The big point's peak must not leak into the small one measured after it in the same process.
-    assert big["peak_mem_bytes"] > 2 * small_fresh["peak_mem_bytes"]
+    assert big.row["peak_mem_bytes"] > 2 * small_fresh["peak_mem_bytes"]
     assert small_warm["peak_mem_bytes"] < 1.25 * small_fresh["peak_mem_bytes"]
 
 
 def test_a_worker_is_not_reused_after_a_capped_point():
-    runner.run_point(RunConfig(**FAST_POINT, max_memory_gb=4.0))
-    assert runner._warm is None
+    with runner.Runner() as points:
+        points.run_point(RunConfig(**FAST_POINT, max_memory_gb=4.0))
+        assert points.warm is None
 
 
 # ------------------------------------------------------------------------------------------- concurrent sweeps

@@ -13,13 +13,13 @@ import pandas as pd
 import pytest
 import torch
 
-from harness import bench
+from harness import bench, ceilings, environment, probes
 from harness.config import RunConfig
 from harness.store import cli, diff, disk
 
 
 def test_environment_columns_name_the_machine_and_the_software():
-    columns = bench.environment_columns(torch.device("cpu"))
+    columns = environment.environment_columns(torch.device("cpu"))
     assert columns["python_version"] == platform.python_version()
     assert columns["torch_version"] == torch.__version__
     assert columns["device_count"] == 1 and columns["cuda_version"] is None and columns["driver_version"] is None
@@ -38,7 +38,7 @@ def test_config_json_is_the_resolved_config():
 def test_diff_lists_what_changed_between_two_rows(tmp_path, capsys):
     for batch_size, point in ((1, "aaaa1111"), (4, "bbbb2222")):
         cfg = RunConfig(model={"name": "tiny"}, batch_size=batch_size)
-        row = bench.config_columns(cfg) | bench.environment_columns(torch.device("cpu"))
+        row = bench.config_columns(cfg) | environment.environment_columns(torch.device("cpu"))
         disk.write_point(row | {"point_id": point, "sweep_id": "s", "status": "ok"}, tmp_path)
     assert cli.main(["diff", str(tmp_path), "aaaa", "bbbb"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -67,7 +67,7 @@ def test_config_json_is_strict_json_even_for_an_infinite_budget():
 
 def test_the_new_columns_are_written_and_read_back_with_their_types(tmp_path):
     cfg = RunConfig(model={"name": "tiny"})
-    row = bench.config_columns(cfg) | bench.environment_columns(torch.device("cpu")) | {"status": "ok"}
+    row = bench.config_columns(cfg) | environment.environment_columns(torch.device("cpu")) | {"status": "ok"}
     disk.write_point(row, tmp_path)
 
     loaded = disk.load(tmp_path).iloc[0]
@@ -85,16 +85,16 @@ def test_no_nvml_leaves_the_driver_version_null(monkeypatch, failure):
         broken = types.ModuleType("pynvml")
         broken.nvmlInit = lambda: (_ for _ in ()).throw(OSError("NVML Shared Library Not Found"))
         monkeypatch.setitem(sys.modules, "pynvml", broken)
-    bench.nvidia_driver_version.cache_clear()
+    environment.nvidia_driver_version.cache_clear()
     try:
-        assert bench.nvidia_driver_version() is None
+        assert environment.nvidia_driver_version() is None
     finally:
-        bench.nvidia_driver_version.cache_clear()
+        environment.nvidia_driver_version.cache_clear()
 
 
 def write_run(directory, point_id, started_at, batch_size=1):
     cfg = RunConfig(model={"name": "tiny"}, batch_size=batch_size)
-    row = bench.config_columns(cfg) | bench.environment_columns(torch.device("cpu"))
+    row = bench.config_columns(cfg) | environment.environment_columns(torch.device("cpu"))
     row |= {"point_id": point_id, "sweep_id": "s", "status": "ok", "started_at": started_at}
     disk.write_point(row, directory)
 
@@ -118,3 +118,20 @@ def test_diff_refuses_an_ambiguous_prefix_and_prefers_an_exact_id(tmp_path, capl
     assert cli.main(["diff", str(tmp_path), "ab", "abcd"]) == 2
     assert "a: 'ab' matches 2 points" in caplog.text
     assert cli.main(["diff", str(tmp_path), "abc", "abcd"]) == 0
+
+
+def test_the_driver_version_comes_through_the_probes_nvml_seam(monkeypatch):
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlSystemGetDriverVersion=lambda: b"550.54.15"
+    )
+    monkeypatch.setattr(probes, "load_nvml", lambda: fake)
+    environment.nvidia_driver_version.cache_clear()
+    try:
+        assert environment.nvidia_driver_version() == "550.54.15"
+    finally:
+        environment.nvidia_driver_version.cache_clear()
+
+
+def test_the_ceilings_name_the_cpu_as_the_rows_cpu_model_does():
+    assert ceilings.device_name(torch.device("cpu")) == environment.cpu_model()
+    assert environment.environment_columns(torch.device("cpu"))["device_name"] == environment.cpu_model()

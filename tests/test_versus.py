@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from harness import kv, versus
+from harness import kv, versus, versus_table
 from harness.config import RunConfig
 from harness.kv.base import CacheSpec
 from harness.model import ModelArgs
@@ -80,12 +80,12 @@ def test_transformers_and_our_loop_generate_the_same_greedy_tokens_from_one_chec
     ours, hf = models
     prompt = torch.randint(256, (2, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     cache = kv.build(
-        versus.OURS,
+        versus.STRATEGY,
         CacheSpec.for_model(ours.args, batch_size=2, max_tokens=PROMPT_LEN + GEN_LEN, kv_dtype="fp32", device=CPU),
         {},
     )
     expected, logits = greedy_with_logits(ours, cache, prompt, GEN_LEN)
-    for implementation in versus.HF_CACHES.values():
+    for implementation in versus.HF_LOOPS.values():
         tokens, sample = versus.hf_generate(hf, prompt, gen_len=GEN_LEN, cache_implementation=implementation)
         # Another implementation of the same math (its own op order; measured 1.6e-7 apart on these logits): the
         # same tokens up to a near-tie (tests/greedy.py).
@@ -96,15 +96,16 @@ def test_transformers_and_our_loop_generate_the_same_greedy_tokens_from_one_chec
 # --- rows ------------------------------------------------------------------------------------------------------------
 
 
-def test_a_case_gives_one_row_per_loop_each_with_its_runner_cache_and_a_positive_tpot(models, tmp_path):
+def test_a_case_gives_one_row_per_loop_each_with_its_runner_loop_cache_and_a_positive_tpot(models, tmp_path):
     ours, hf = models
     case = tiny_case(results_dir=str(tmp_path))
     rows = versus.measure_case(case, our_model=ours, hf_model=hf, rounds=2, warmup=0)
-    assert [(row["runner"], row["cache"]) for row in rows] == [
-        ("kvbench", "contiguous"),
-        ("transformers", "hf-dynamic"),
-        ("transformers", "hf-static"),
-        ("kvbench", "contiguous-bare"),
+    # `cache` is always a kvbench strategy, or null where transformers' own cache ran; `loop` says which loop.
+    assert [(row["runner"], row["loop"], row["cache"]) for row in rows] == [
+        ("kvbench", "kvbench", "contiguous"),
+        ("transformers", "hf-dynamic", None),
+        ("transformers", "hf-static", None),
+        ("kvbench", "kvbench-bare", "contiguous"),
     ]
     assert all(row["tpot_ms"] > 0 and row["repeats"] == 2 and row["status"] == "ok" for row in rows)
     assert len({row["point_id"] for row in rows}) == len(rows)
@@ -155,20 +156,21 @@ def test_the_bare_timer_stamps_only_prefill_and_decode_and_spreads_decode_over_t
 
 def test_bandwidth_fraction_is_bytes_per_step_over_tpot_over_the_copy_bandwidth():
     # 3 GB a step in 100 ms is 30 GB/s: three quarters of 40 GB/s
-    assert versus.bw_fraction(bytes_per_step=3e9, tpot_ms=100, peak_bw_gbps=40) == pytest.approx(0.75)
-    assert versus.bw_fraction(bytes_per_step=3e9, tpot_ms=100, peak_bw_gbps=None) is None
+    assert versus_table.bw_fraction(bytes_per_step=3e9, tpot_ms=100, peak_bw_gbps=40) == pytest.approx(0.75)
+    assert versus_table.bw_fraction(bytes_per_step=3e9, tpot_ms=100, peak_bw_gbps=None) is None
 
 
 def test_speedup_is_their_tpot_over_ours_and_overhead_is_probed_over_bare_minus_one():
-    assert versus.speedup(ours_tpot_ms=10, theirs_tpot_ms=15) == pytest.approx(1.5)
-    assert versus.overhead_fraction(probed_tpot_ms=10.2, bare_tpot_ms=10) == pytest.approx(0.02)
+    assert versus_table.speedup(ours_tpot_ms=10, theirs_tpot_ms=15) == pytest.approx(1.5)
+    assert versus_table.overhead_fraction(probed_tpot_ms=10.2, bare_tpot_ms=10) == pytest.approx(0.02)
 
 
 def fake_rows(*, batch_size: int, tpot_ms: dict[str, float]) -> list[dict]:
     return [
         {
-            "cache": loop,
-            "runner": "transformers" if loop in versus.HF_CACHES else "kvbench",
+            "loop": loop,
+            "cache": None if loop in versus.HF_LOOPS else versus.STRATEGY,
+            "runner": "transformers" if loop in versus.HF_LOOPS else "kvbench",
             "model": "tiny",
             "dtype": "fp32",
             "batch_size": batch_size,
@@ -187,23 +189,63 @@ def fake_rows(*, batch_size: int, tpot_ms: dict[str, float]) -> list[dict]:
 
 
 def test_the_verdict_compares_with_the_faster_transformers_cache_and_holds_only_batch_one_to_bandwidth():
-    tpot_ms = {"contiguous": 10.0, "hf-dynamic": 20.0, "hf-static": 16.0, "contiguous-bare": 9.9}
-    verdict = versus.case_verdict(fake_rows(batch_size=1, tpot_ms=tpot_ms))
+    tpot_ms = {"kvbench": 10.0, "hf-dynamic": 20.0, "hf-static": 16.0, "kvbench-bare": 9.9}
+    verdict = versus_table.case_verdict(fake_rows(batch_size=1, tpot_ms=tpot_ms))
     assert verdict["best_hf"] == "hf-static" and verdict["speedup_vs_best"] == pytest.approx(1.6)
     assert verdict["ours_bw_fraction"] == pytest.approx(0.8) and verdict["meets_bw"] is True
     assert verdict["overhead"] == pytest.approx(0.1 / 9.9) and verdict["meets_overhead"] is True
-    assert versus.case_verdict(fake_rows(batch_size=8, tpot_ms=tpot_ms))["meets_bw"] is None
+    assert versus_table.case_verdict(fake_rows(batch_size=8, tpot_ms=tpot_ms))["meets_bw"] is None
 
 
 def test_the_table_has_a_line_per_loop_and_a_verdict_per_case():
-    table = versus.format_table(
-        fake_rows(
-            batch_size=1, tpot_ms={"contiguous": 10.0, "hf-dynamic": 12.0, "hf-static": 14.0, "contiguous-bare": 10.5}
-        )
+    table = versus_table.format_table(
+        fake_rows(batch_size=1, tpot_ms={"kvbench": 10.0, "hf-dynamic": 12.0, "hf-static": 14.0, "kvbench-bare": 10.5})
     )
     lines = table.splitlines()
     assert sum("transformers" in line for line in lines) == 2 and "1.20x" in table and "80%" in table
     assert lines[-1].split()[3:] == ["yes", "(80%)", "no", "(1.20x", "hf-dynamic)", "yes", "(-4.8%)", "yes"]
+
+
+def test_the_tables_are_data_frames_printed_whole_with_runner_loop_and_cache_apart():
+    rows = fake_rows(
+        batch_size=1, tpot_ms={"kvbench": 10.0, "hf-dynamic": 12.0, "hf-static": 14.0, "kvbench-bare": 10.5}
+    )
+    loops = versus_table.loops_table(rows)
+    assert list(loops[["runner", "loop", "cache"]].itertuples(index=False, name=None)) == [
+        ("kvbench", "kvbench", "contiguous"),
+        ("transformers", "hf-dynamic", "-"),  # transformers' own cache: no kvbench strategy ran
+        ("transformers", "hf-static", "-"),
+        ("kvbench", "kvbench-bare", "contiguous"),
+    ]
+    table = versus_table.format_table(rows)
+    assert table.startswith(loops.to_string(index=False) + "\n")
+    assert table.endswith("\n" + versus_table.verdicts_table(rows).to_string(index=False))
+
+
+def test_the_floor_table_prints_the_floors_run_returned_it():
+    from experiments import versus as versus_cli
+
+    rows = [row | {"tpot_ms": 10.0} for row in fake_rows(batch_size=1, tpot_ms=dict.fromkeys(versus.LOOPS, 10.0))]
+    floor = versus_cli.Floor(case=tiny_case(batch_size=1), linear_ms=4.0, linear_bytes=200_000_000)  # 50 GB/s
+    (header, line, _) = versus_cli.floor_table(rows, [floor]).splitlines()
+    assert header.split()[:3] == ["model", "dtype", "batch"]
+    assert line.split() == ["tiny", "fp32", "1", "4.00", "50.0", "50%", "10.00", "40%"]
+    assert not hasattr(versus_cli, "floors")  # returned by run(), not kept in the module
+
+
+@pytest.mark.parametrize(("raised", "status"), [(RuntimeError("boom"), "error"), (MemoryError("no room"), "oom")])
+def test_a_failed_case_is_a_row_per_loop_whose_cache_is_a_strategy_or_null(raised, status):
+    from experiments import versus as versus_cli
+
+    rows = versus_cli.failure_rows(tiny_case(), raised)
+    assert [(row["runner"], row["loop"], row["cache"]) for row in rows] == [
+        ("kvbench", "kvbench", "contiguous"),
+        ("transformers", "hf-dynamic", None),
+        ("transformers", "hf-static", None),
+        ("kvbench", "kvbench-bare", "contiguous"),
+    ]
+    assert all(row["status"] == status and str(raised) in row["error"] for row in rows)
+    assert len({row["point_id"] for row in rows}) == len(rows)
 
 
 # --- the command line -----------------------------------------------------------------------------------------------
@@ -220,9 +262,11 @@ def test_the_table_has_a_line_per_loop_and_a_verdict_per_case():
     ],
 )
 def test_bad_input_stops_with_one_line_naming_the_field_before_anything_runs(argv, message, tmp_path, capsys):
-    from experiments import bench
+    from experiments import versus as versus_cli
 
-    assert bench.main([*argv, "--results-dir", str(tmp_path)]) == 2
+    with pytest.raises(SystemExit) as stopped:
+        versus_cli.main([*argv, "--results-dir", str(tmp_path)])
+    assert stopped.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
     assert not any(tmp_path.iterdir())  # nothing measured, nothing written
@@ -230,12 +274,13 @@ def test_bad_input_stops_with_one_line_naming_the_field_before_anything_runs(arg
 
 @pytest.mark.slow
 def test_the_quick_bench_writes_a_row_per_loop_and_case_and_prints_the_table_last(tmp_path, capsys):
-    from experiments import bench
+    from experiments import versus as versus_cli
 
-    assert bench.main(["--quick", "--batch", "1", "--results-dir", str(tmp_path)]) == 0
+    assert versus_cli.main(["--quick", "--batch", "1", "--results-dir", str(tmp_path)]) == 0
     (folder,) = tmp_path.glob("bench-*")
     rows = disk.load(folder)
-    assert sorted(rows["cache"]) == sorted(versus.LOOPS) and set(rows["sweep_id"]) == {folder.name}
+    assert sorted(rows["loop"]) == sorted(versus.LOOPS) and set(rows["sweep_id"]) == {folder.name}
+    assert set(rows["cache"].dropna()) == {versus.STRATEGY} and rows["cache"].isna().sum() == len(versus.HF_LOOPS)
     assert (rows["status"] == "ok").all() and rows["peak_bw_gbps"].notna().all()  # quick ceilings were measured
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("tiny    fp32       1")
+    assert last.split()[:3] == ["tiny", "fp32", "1"]

@@ -81,6 +81,13 @@ COLUMNS: tuple[Column, ...] = (
     Column("device", "string", "", "cpu or cuda"),
     Column("weights", "string", "", "dummy (random weights) or the checkpoint path"),
     Column("runner", "string", "", "Whose decode loop: kvbench, or transformers (make bench's side-by-side)"),
+    Column(
+        "loop",
+        "string",
+        "",
+        "make bench's loop: kvbench (with its probes), kvbench-bare (without them), hf-dynamic or hf-static "
+        "(transformers' generate() with its DynamicCache or StaticCache); null for a decode point",
+    ),
     Column("compile", "string", "", "torch.compile mode of the decode step: none, default or reduce-overhead"),
     Column(
         "attn_backend", "string", "", "Attention implementation of the decode step: sdpa, triton-paged, flashinfer, ..."

@@ -1,8 +1,8 @@
 """`make bench`: our decode loop against transformers' generate(), same config and weights, interleaved rounds.
 
-    python -m experiments.bench                                # small; batch 1,8; fp32,bf16; prompt 128, gen 32; 5 rounds
-    python -m experiments.bench --batch 1 --dtype bf16 --rounds 9
-    python -m experiments.bench --quick                        # tiny model, 4 tokens, 2 rounds: a smoke test in seconds
+    python -m experiments.versus                                # small; batch 1,8; fp32,bf16; prompt 128, gen 32; 5 rounds
+    python -m experiments.versus --batch 1 --dtype bf16 --rounds 9
+    python -m experiments.versus --quick                        # tiny model, 4 tokens, 2 rounds: a smoke test in seconds
 
 For each case (dtype x batch) it times four loops in rounds of A B C D after one warm-up each (harness/versus.py):
 ours with the harness's probes, transformers with its dynamic and its static cache, and ours bare. Every loop's row
@@ -19,11 +19,15 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
-from harness import runner, versus
-from harness.bench import config_columns, environment_columns
+import pandas as pd
+
+from harness import runner, versus, versus_table
+from harness.bench import config_columns
 from harness.config import DEVICES, DTYPES, RunConfig
-from harness.errors import ConfigError
+from harness.environment import environment_columns
+from harness.errors import ConfigError, exit_on_config_error
 from harness.store import disk
 
 log = logging.getLogger("kvbench")
@@ -34,7 +38,7 @@ QUICK_DEFAULTS = {"model": "tiny", "batch": "1,2", "dtype": "fp32", "prompt_len"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.versus", description=__doc__.splitlines()[0])
     p.add_argument("--model", help=f"a preset of harness.model.PRESETS (default {DEFAULTS['model']})")
     p.add_argument("--batch", help=f"batch sizes, comma-separated (default {DEFAULTS['batch']})")
     p.add_argument(
@@ -89,7 +93,7 @@ def case_configs(options: argparse.Namespace) -> tuple[list[RunConfig], int]:
     return [
         RunConfig(
             model={"name": value["model"]},
-            cache={"name": versus.OURS},
+            cache={"name": versus.STRATEGY},
             device=options.device,
             dtype=dtype,
             batch_size=batch_size,
@@ -119,64 +123,65 @@ def failure_rows(cfg: RunConfig, exc: Exception) -> list[dict]:
     """A case that failed is a row per loop with its status and error, never a missing row."""
     status = "oom" if runner.is_oom(exc) else "error"
     base = config_columns(cfg) | environment_columns(cfg.torch_device())
-    return [
-        base
-        | {
-            "point_id": versus.point_id(cfg, loop=loop),
-            "cache": loop,
-            "runner": "transformers" if loop in versus.HF_CACHES else "kvbench",
-            "weights": versus.WEIGHTS_LABEL,
-            "status": status,
-            "error": f"{type(exc).__name__}: {exc}",
-        }
-        for loop in versus.LOOPS
-    ]
+    error = {"status": status, "error": f"{type(exc).__name__}: {exc}"}
+    return [base | versus.loop_columns(cfg, loop=loop) | error for loop in versus.LOOPS]
 
 
-floors: list[tuple[RunConfig, float, int]] = []  # run() fills it: (case, linear_only_ms, linear bytes)
+class Floor(NamedTuple):
+    """One case's matrix products alone (versus.linear_only_ms): the floor torch's GEMV sets under our TPOT."""
+
+    case: RunConfig
+    linear_ms: float  # one decode step's nn.Linear calls, median of 9
+    linear_bytes: int  # what they read: every nn.Linear's weight and bias
 
 
-def floor_table(rows: list[dict]) -> str:
-    """Per case: one step of the model's matrix products alone (versus.linear_only_ms) against our TPOT and the
-    copy bandwidth: how much of the gap to the bandwidth target is torch's GEMV and how much is our loop."""
+def floor_table(rows: list[dict], floors: list[Floor]) -> str:
+    """Per case: one step of the model's matrix products alone against our TPOT and the copy bandwidth: how much of
+    the gap to the bandwidth target is torch's GEMV and how much is our loop."""
     peak = next((row["peak_bw_gbps"] for row in rows if row.get("peak_bw_gbps")), None)
-    lines = [
-        f"{'model':<8}{'dtype':<6}{'batch':>6}  {'linears ms':>11}{'linears GB/s':>13}{'of copy BW':>11}"
-        f"{'our TPOT ms':>12}{'linears/TPOT':>13}"
-    ]
-    for cfg, floor_ms, n_bytes in floors:
+    lines = []
+    for floor in floors:
+        cfg = floor.case
         ours = next(
             (
                 r
                 for r in rows
-                if r["cache"] == versus.OURS and r["dtype"] == cfg.dtype and r["batch_size"] == cfg.batch_size
+                if r["loop"] == versus.OURS and r["dtype"] == cfg.dtype and r["batch_size"] == cfg.batch_size
             ),
             None,
         )
         if ours is None:
             continue
-        gbps = n_bytes / floor_ms / 1e6
-        share = f"{100 * gbps / peak:.0f}%" if peak else "-"
+        gbps = floor.linear_bytes / floor.linear_ms / 1e6
         lines.append(
-            f"{cfg.model.name:<8}{cfg.dtype:<6}{cfg.batch_size:>6}  {floor_ms:>11.2f}{gbps:>13.1f}{share:>11}"
-            f"{ours['tpot_ms']:>12.2f}{100 * floor_ms / ours['tpot_ms']:>12.0f}%"
+            {
+                "model": cfg.model.name,
+                "dtype": cfg.dtype,
+                "batch": cfg.batch_size,
+                "linears ms": f"{floor.linear_ms:.2f}",
+                "linears GB/s": f"{gbps:.1f}",
+                "of copy BW": f"{100 * gbps / peak:.0f}%" if peak else "-",
+                "our TPOT ms": f"{ours['tpot_ms']:.2f}",
+                "linears/TPOT": f"{100 * floor.linear_ms / ours['tpot_ms']:.0f}%",
+            }
         )
-    lines.append(
+    note = (
         "linears: every nn.Linear of the model once against a [batch, in] input, nothing else (median of 9): the "
         "floor torch's GEMV sets for any PyTorch loop; linears/TPOT: the share of our step spent at that floor"
     )
-    return "\n".join(lines)
+    return pd.DataFrame(lines).to_string(index=False) + "\n" + note
 
 
-def run(cases: list[RunConfig], *, rounds: int, out_dir: Path) -> list[dict]:
-    """Measure every case, writing each loop's row as soon as its case is done; return the rows."""
+def run(cases: list[RunConfig], *, rounds: int, out_dir: Path) -> tuple[list[dict], list[Floor]]:
+    """Measure every case, writing each loop's row as soon as its case is done; return the rows and, per case that
+    ran, its matrix products' floor."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # the save and load bars would bury the progress lines
     runner.ensure_ceilings(cases[0])  # measured once per device, in a process of its own, then reused
     args = cases[0].model_args()
     rows: list[dict] = []
-    floors.clear()
+    floors: list[Floor] = []
     with tempfile.TemporaryDirectory(prefix="kvbench-bench-") as checkpoint:
         log.info("saving transformers' seeded %s to %s", args.name, checkpoint)
         versus.save_checkpoint(args, checkpoint, seed=cases[0].seed)
@@ -195,36 +200,33 @@ def run(cases: list[RunConfig], *, rounds: int, out_dir: Path) -> list[dict]:
                     cfg, our_model=loaded[1], hf_model=loaded[2], rounds=rounds, warmup=cfg.warmup
                 )
                 floor_ms = versus.linear_only_ms(loaded[1], batch_size=cfg.batch_size)
-                floors.append((cfg, floor_ms, versus.linear_bytes(loaded[1])))
+                floors.append(Floor(case=cfg, linear_ms=floor_ms, linear_bytes=versus.linear_bytes(loaded[1])))
             except Exception as exc:  # one case's OOM or error is its rows' status; the others still run
                 log.exception("case %s %s batch %d failed", args.name, cfg.dtype, cfg.batch_size)
                 case_rows = failure_rows(cfg, exc)
             for row in case_rows:
                 disk.write_point(row | {"sweep_id": out_dir.name}, out_dir)
             rows += case_rows
-    return rows
+    return rows, floors
 
 
+@exit_on_config_error
 def main(argv: Sequence[str] | None = None) -> int:
     options = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        cases, rounds = case_configs(options)
-        check_transformers()
-    except (ConfigError, ValueError) as exc:  # ValueError: a field RunConfig's own checks reject
-        print(f"kvbench: bad config: {exc}", file=sys.stderr)
-        return 2
+    cases, rounds = case_configs(options)
+    check_transformers()
     out_dir = Path(options.results_dir) / dt.datetime.now().strftime("bench-%Y-%m-%d_%H-%M-%S")
-    rows = run(cases, rounds=rounds, out_dir=out_dir)
+    rows, floors = run(cases, rounds=rounds, out_dir=out_dir)
     ok = [row for row in rows if row["status"] == "ok"]
     for row in rows:
         if row["status"] != "ok":
-            print(f"FAILED {row['dtype']} batch {row['batch_size']} {row['cache']}: {row['status']} {row['error']}")
+            print(f"FAILED {row['dtype']} batch {row['batch_size']} {row['loop']}: {row['status']} {row['error']}")
     print(f"rows: {out_dir}")
     if ok:
-        print(floor_table(ok))
+        print(floor_table(ok, floors))
         print()
-        print(versus.format_table(ok))  # last: its verdict lines end the output
+        print(versus_table.format_table(ok))  # last: its verdict lines end the output
     return 0 if len(ok) == len(rows) else 1
 
 
