@@ -207,7 +207,12 @@ class Probe:
     seconds: float
 
 
-def find_frontier(cfg: CapacityConfig, *, context: int, predicted: int, probe=runner.run_point) -> dict:
+def measured_row(cfg: RunConfig) -> dict:
+    """One probe measured for real: the row of runner.run_point's result (a probe needs no ops table)."""
+    return runner.run_point(cfg).row
+
+
+def find_frontier(cfg: CapacityConfig, *, context: int, predicted: int, probe=measured_row) -> dict:
     """The largest batch that runs at `context` under the cap, bracketed from `predicted` and bisected.
 
     Returns the frontier's row: measured_max_batch (0: not even one fits), first_oom_batch, bisection_step (their
@@ -267,7 +272,7 @@ def find_frontier(cfg: CapacityConfig, *, context: int, predicted: int, probe=ru
     }
 
 
-def frontier_rows(cfg: CapacityConfig, *, probe=runner.run_point) -> pd.DataFrame:
+def frontier_rows(cfg: CapacityConfig, *, probe=measured_row) -> pd.DataFrame:
     """One row per context: the measured frontier beside the planner's max batch under the same cap."""
     device = capacity.resolve_device(cfg.device)
     rows = []

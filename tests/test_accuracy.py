@@ -50,8 +50,8 @@ def test_perplexity_of_a_uniform_model_is_the_vocabulary_size():
 def test_a_lossy_point_records_accuracy_and_an_exact_point_does_not():
     lossy = run_point(
         RunConfig(model={"name": "tiny"}, dtype="fp32", kv_dtype="bf16", prompt_len=16, gen_len=6, **FAST)
-    )
-    exact = run_point(RunConfig(model={"name": "tiny"}, dtype="fp32", prompt_len=16, gen_len=6, **FAST))
+    ).row
+    exact = run_point(RunConfig(model={"name": "tiny"}, dtype="fp32", prompt_len=16, gen_len=6, **FAST)).row
     assert 0 < lossy["logit_max_abs_err"] < 0.05 and lossy["kl_mean"] >= 0 and lossy["top1_agreement"] > 0.5
     for column in ("logit_max_abs_err", "kl_mean", "top1_agreement"):
         assert pd.isna(exact.get(column))
@@ -69,7 +69,7 @@ def test_perplexity_of_a_text_through_a_real_checkpoint(llama_checkpoint):
             eval_text=str(llama_checkpoint / "eval.txt"),
             **FAST,
         )
-    )
+    ).row
     assert row["status"] == "ok"
     assert 1.0 < row["ppl"] < 128  # trained on this text: far better than uniform over the vocabulary
     assert abs(row["ppl_delta"]) < 0.05 * row["ppl"]  # bf16 K/V barely moves it
@@ -88,7 +88,7 @@ def test_8bit_kv_agrees_on_top1_for_the_large_majority_of_steps_with_real_weight
             gen_len=24,
             **FAST,
         )
-    )
+    ).row
     assert row["status"] == "ok", row.get("error")
     assert row["top1_agreement"] >= 0.9
     assert row["kl_mean"] < 0.05 and row["logit_max_abs_err"] > 0  # lossy, but only just
@@ -106,7 +106,7 @@ def test_int4_costs_more_accuracy_than_int8(llama_checkpoint):
                 gen_len=24,
                 **FAST,
             )
-        )
+        ).row
         for kv_dtype in ("int8", "int4")
     }
     assert rows["int4"]["kl_mean"] > rows["int8"]["kl_mean"]

@@ -13,8 +13,8 @@ FAST = dict(warmup=0, min_repeats=1, max_repeats=1, isolate=False)
 
 
 def test_every_key_of_a_row_is_a_column_of_the_contract():
-    row = run_point(RunConfig(model={"name": "tiny"}, device="cpu", prompt_len=8, gen_len=4, **FAST))
-    top_ops = row.pop("top_ops")  # the profiler's table travels beside the row, to its own parquet
+    result = run_point(RunConfig(model={"name": "tiny"}, device="cpu", prompt_len=8, gen_len=4, **FAST))
+    row, top_ops = result.row, result.ops  # the profiler's table travels beside the row, to its own parquet
     assert {"op", "category", "self_time_ms"} <= set(top_ops.columns)
     assert set(row) <= {column.name for column in COLUMNS}
 
@@ -23,7 +23,7 @@ def test_a_row_carries_the_roofline_and_the_profile(tmp_path):
     cfg = RunConfig(
         model={"name": "small"}, device="cpu", dtype="fp32", prompt_len=32, gen_len=6, results_dir=str(tmp_path), **FAST
     )
-    row = run_point(cfg)
+    row = run_point(cfg).row
     # every weight is read once per step, except the embedding table, of which only the batch's rows
     assert row["flops_per_step"] > 0 and row["bytes_per_step"] > row["weights_bytes"] * 0.8
     assert row["achieved_bw_gbps"] > 0 and row["bound"] is None  # no ceilings measured yet: no verdict
@@ -31,13 +31,13 @@ def test_a_row_carries_the_roofline_and_the_profile(tmp_path):
     assert abs(sum(shares) - 1) < 1e-6 and row["prof_gemm_frac"] > 0.3
 
     ensure_ceilings(dataclasses.replace(cfg, ceilings_quick=True))
-    row = run_point(cfg)
+    row = run_point(cfg).row
     assert row["bound"] in {"memory", "compute"} and row["peak_bw_gbps"] > 0 and row["ceilings_fingerprint"]
     assert row["bw_util"] > 0 and row["predicted_tpot_ms"] > 0
 
 
 def test_energy_clock_and_nvml_columns_are_null_on_the_cpu_and_peak_memory_is_rss():
-    row = run_point(RunConfig(model={"name": "tiny"}, device="cpu", prompt_len=8, gen_len=4, **FAST))
+    row = run_point(RunConfig(model={"name": "tiny"}, device="cpu", prompt_len=8, gen_len=4, **FAST)).row
     for column in (
         "energy_j_per_token",
         "mean_power_w",

@@ -524,7 +524,7 @@ def test_the_planner_is_within_5_percent_of_the_cuda_allocator_peak():
     )
     from harness.runner import run_point
 
-    row = run_point(cfg)
+    row = run_point(cfg).row
     assert row["status"] == "ok", row.get("error")
     workload = Workload("llama-3.2-1b", dtype="bf16", prompt_len=1024, gen_len=16, concurrency=8)
     predicted = capacity.total_bytes(workload, runtime_overhead_bytes=0)  # what the allocator holds

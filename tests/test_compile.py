@@ -105,8 +105,8 @@ def test_compile_default_generates_the_same_tokens_as_eager(tiny_model, tiny_arg
 @has_cxx
 def test_a_compiled_point_records_its_mode_and_backend_and_the_eager_tokens():
     point = dict(model={"name": "tiny"}, device="cpu", dtype="fp32", prompt_len=8, gen_len=4, **FAST)
-    eager = run_point(RunConfig(**point))
-    compiled = run_point(RunConfig(**point, compile="default"))
+    eager = run_point(RunConfig(**point)).row
+    compiled = run_point(RunConfig(**point, compile="default")).row
     assert compiled["status"] == "ok" and compiled["compile"] == "default"
     assert compiled["attn_backend"] == "sdpa-masked" and eager["attn_backend"] == "sdpa"
     assert_no_near_tie(point_logits(RunConfig(**point)), tol=LOGIT_TOL["fp32"])  # so rounding cannot flip a token
@@ -135,7 +135,7 @@ def test_a_compiled_point_records_its_mode_and_backend_and_the_eager_tokens():
 )
 def test_a_combination_compile_cannot_run_is_an_unsupported_row(overrides, reason):
     point = dict(model={"name": "tiny"}, device="cpu", prompt_len=8, gen_len=4, compile="default") | FAST | overrides
-    row = _guarded(RunConfig(**point))
+    row = _guarded(RunConfig(**point)).row
     assert row["status"] == "unsupported" and reason in row["error"], row.get("error")
 
 
@@ -159,7 +159,7 @@ def test_a_reduce_overhead_point_whose_graphs_were_skipped_is_an_error_row_that_
     monkeypatch.setattr(bench, "check_compilable", lambda cache, *, mode, device: None)
     monkeypatch.setattr(bench, "compile_decode_step", skipping_step)
     point = dict(model={"name": "tiny"}, device="cpu", dtype="fp32", prompt_len=8, gen_len=4, compile="reduce-overhead")
-    row = run_point(RunConfig(**point, **FAST))
+    row = run_point(RunConfig(**point, **FAST)).row
     assert row["cudagraph_skips"] == 1
     assert row["status"] == "error" and "skipped CUDA graphs 1 time" in row["error"]
-    assert run_point(RunConfig(**{**point, "compile": "none"}, **FAST)).get("cudagraph_skips") is None
+    assert run_point(RunConfig(**{**point, "compile": "none"}, **FAST)).row.get("cudagraph_skips") is None

@@ -56,7 +56,7 @@ def test_mixed_lengths_with_another_strategy_is_unsupported():
 
 
 def test_a_mixed_point_is_an_allocation_row_without_timing():
-    row = run_point(RunConfig(**MIXED, cache={"name": "paged"}, isolate=False))
+    row = run_point(RunConfig(**MIXED, cache={"name": "paged"}, isolate=False)).row
     assert row["status"] == "ok" and row["lengths"] == "mixed" and row["min_len_frac"] == 0.1
     assert 0 <= row["kv_waste_fraction"] < 0.1
     assert pd.isna(row.get("tpot_ms")) and pd.isna(row.get("ttft_ms"))

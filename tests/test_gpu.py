@@ -38,7 +38,9 @@ def test_every_strategy_generates_the_same_tokens_on_cuda_in_fp32(tiny_args):
 
 
 def test_a_cuda_point_records_allocator_and_nvml_memory():
-    row = run_point(RunConfig(model={"name": "tiny"}, device="cuda", dtype="bf16", prompt_len=64, gen_len=8, warmup=1))
+    row = run_point(
+        RunConfig(model={"name": "tiny"}, device="cuda", dtype="bf16", prompt_len=64, gen_len=8, warmup=1)
+    ).row
     assert row["status"] == "ok", row.get("error")
     assert row["torch_peak_allocated_bytes"] >= row["weights_bytes"] + row["kv_bytes_allocated"]
     assert row["torch_peak_reserved_bytes"] >= row["torch_peak_allocated_bytes"]
@@ -54,12 +56,12 @@ def test_a_cuda_point_records_allocator_and_nvml_memory():
 def test_max_memory_gb_forces_a_cuda_oom_row():
     row = run_point(
         RunConfig(model={"name": "small"}, device="cuda", batch_size=512, prompt_len=4096, gen_len=8, max_memory_gb=2)
-    )
+    ).row
     assert row["status"] == "oom", row.get("error")
 
 
 def test_a_cuda_point_records_energy_clocks_and_throttle_reasons():
-    row = run_point(RunConfig(model={"name": "small"}, device="cuda", prompt_len=128, gen_len=32, warmup=1))
+    row = run_point(RunConfig(model={"name": "small"}, device="cuda", prompt_len=128, gen_len=32, warmup=1)).row
     assert row["status"] == "ok", row.get("error")
     assert row["nvml_error"] is None
     assert row["nvml_timed_samples"] > 0
@@ -150,7 +152,7 @@ def test_a_cuda_row_names_the_decode_attention_that_ran(cache, kv_dtype, backend
             prompt_len=100, gen_len=8, prefix_len=32 if cache == "prefix" else 0, warmup=1,
             min_repeats=1, max_repeats=1, profile=False, roofline=False, isolate=False,
         )
-    )  # fmt: skip
+    ).row  # fmt: skip
     assert row["status"] == "ok", row.get("error")
     assert row["attn_backend"] in backend
 
@@ -203,7 +205,7 @@ def test_a_reduce_overhead_point_on_cuda_captures_its_graphs():
     """Whether graphs make a step faster is a benchmark's question (scripts/gpu_check.sh); here: were they captured."""
     point = dict(model={"name": "tiny"}, device="cuda", dtype="bf16", prompt_len=64, gen_len=32, warmup=1,
                  min_repeats=3, max_repeats=3, profile=False, roofline=False, isolate=False)  # fmt: skip
-    graphs = run_point(RunConfig(**point, compile="reduce-overhead"))
+    graphs = run_point(RunConfig(**point, compile="reduce-overhead")).row
     assert graphs["status"] == "ok", graphs.get("error")
     assert graphs["compile"] == "reduce-overhead" and graphs["attn_backend"] == "sdpa-masked"
     assert graphs["cudagraph_skips"] == 0

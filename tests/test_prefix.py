@@ -226,7 +226,7 @@ def test_a_prefix_point_records_the_hit_the_miss_and_the_bytes_shared():
             max_repeats=2,
             isolate=False,
         )
-    )
+    ).row
     assert row["status"] == "ok" and row["prefix_hit"] is True
     assert row["ttft_miss_ms"] > 0 and row["ttft_ms"] > 0
     per_token = 2 * 2 * 2 * 16 * 4  # K|V x layers x kv_heads x head_dim x fp32 bytes

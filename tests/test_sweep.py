@@ -135,7 +135,7 @@ def test_bad_input_fails_with_one_line_and_records_nothing(tmp_path, override, m
 def test_a_bad_point_in_a_sweep_stops_it_before_anything_is_measured(tmp_path):
     proc = kvbench(*TINY, "batch_size=1,0", f"results_dir={tmp_path}", multirun=True)
     assert proc.returncode == 2
-    assert "bad config in sweep point [" in proc.stderr and "batch_size: must be positive, got 0" in proc.stderr
+    assert "bad config: sweep point [" in proc.stderr and "batch_size: must be positive, got 0" in proc.stderr
     assert not list(tmp_path.rglob("*.parquet"))
 
 
