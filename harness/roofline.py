@@ -202,7 +202,7 @@ def prefill_cost(
         KV read    B·(keys visible to some query)·kv_bytes_per_token_read: all prompt_len without a window (the cached
                    prefix included: it is read for every sequence), and the new tokens written then read back, as the
                    harness's strategies attend after storing
-        KV written B·keys_attended(T)·kv_bytes_per_token_read: a ring keeps only the last `window` of a long prompt
+        KV written B·tokens_written(T)·kv_bytes_per_token_read: a ring keeps only the last `window` of a long prompt
     A layout that recomputes (`none`) keeps no cache: KV read and written are 0, its K/V count as activations, and
     prefix_cached must be 0.
     """
@@ -225,7 +225,7 @@ def prefill_cost(
         per_token = kv_bytes_per_token_read(args, kv_dtype, kv_group_size)
         first_visible = prefix_cached + 1 - layout.keys_attended(prefix_cached + 1)  # the first query's oldest key
         kv_read = batch_size * (prompt_len - first_visible) * per_token
-        kv_write = batch_size * layout.keys_attended(n_new) * per_token
+        kv_write = batch_size * layout.tokens_written(n_new) * per_token
         recomputed_keys = 0
     return StepCost(
         flops=flops,

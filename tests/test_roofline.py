@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from harness import kv
+from harness.config import Workload
 from harness.kv.base import CacheSpec
 from harness.model import ModelArgs
-from harness.config import Workload
 from harness.roofline import decode_step_cost, kv_bytes_per_token_read, mean_decode_cost, prefill_cost
 from harness.roofline_row import critical_batch, critical_context, ridge_point, roofline_columns
 
@@ -97,7 +97,10 @@ def test_kv_bytes_per_token_are_what_the_real_cache_stores(tiny_args, kv_dtype):
 
 def test_kv_read_stops_growing_past_the_window():
     args = ModelArgs.from_name("llama-3.1-8b")
-    reads = [decode(args, context_len=n, layout=kv.layout("sliding", {"window": 4096})).kv_read_bytes for n in (1024, 4096, 16384)]
+    reads = [
+        decode(args, context_len=n, layout=kv.layout("sliding", {"window": 4096})).kv_read_bytes
+        for n in (1024, 4096, 16384)
+    ]
     assert reads[0] < reads[1] == reads[2]
     assert reads[1] == 4096 * kv_bytes_per_token_read(args, "bf16")
 
@@ -121,7 +124,9 @@ def test_none_reads_no_kv_and_its_flops_grow_with_the_context():
     args = ModelArgs.from_name("llama-3.1-8b")
     short, long = (decode(args, context_len=n, layout=kv.layout("none", {})) for n in (1024, 2048))
     assert short.kv_read_bytes == long.kv_read_bytes == short.kv_write_bytes == 0
-    assert long.flops > 2 * short.flops - decode(args, context_len=1, layout=kv.layout("none", {})).flops  # superlinear: O(S²)
+    assert (
+        long.flops > 2 * short.flops - decode(args, context_len=1, layout=kv.layout("none", {})).flops
+    )  # superlinear: O(S²)
     assert short == prefill_cost(args, batch_size=1, prompt_len=1024, layout=kv.layout("none", {}), **BF16)
     assert short.flops > 500 * decode(args, context_len=1024).flops  # a cache saves ~S times the matmuls
 

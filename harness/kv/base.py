@@ -232,9 +232,13 @@ class Layout:
 
     # --- reads -------------------------------------------------------------------------------------------
     def keys_attended(self, n_keys: float) -> float:
-        """Keys one query reads when n_keys precede it, itself included; also the tokens of n_keys new ones
-        the cache keeps. math.inf -> the most any query ever reads (inf: no cap)."""
+        """Keys one query reads when n_keys precede it, itself included. math.inf -> the most any query ever
+        reads (inf: no cap)."""
         return n_keys
+
+    def tokens_written(self, n_new: int) -> float:
+        """Of n_new tokens one forward computes for a sequence, how many the cache stores (a ring: the last ones)."""
+        return n_new
 
     def causal_pairs(self, first: int, last: int) -> float:
         """Σ keys_attended(n) for n = first..last: the (query, key) pairs of queries at positions first-1..last-1."""

@@ -243,6 +243,9 @@ class SlidingLayout(Layout):
     def keys_attended(self, n_keys: float) -> float:
         return min(n_keys, self.options.window)  # sinks included: `window` counts them
 
+    def tokens_written(self, n_new: int) -> float:
+        return min(n_new, self.options.window)  # a ring keeps only the last `window` of a long prompt
+
     def causal_pairs(self, first: int, last: int) -> float:
         """Σ min(n, window) for n = first..last, in closed form."""
         window = self.options.window
