@@ -71,7 +71,7 @@ def _from_hf_config(config: dict, *, name: str) -> ModelArgs:
 def device_type(device: str) -> str:
     """ "auto", "cpu" or "cuda" -> "cpu" or "cuda" (auto: cuda when available). A planner may name a device that is
     not here; a measured point may not (RunConfig.torch_device)."""
-    _check_choice("device", device, DEVICES)
+    check_choice("device", device, DEVICES)
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
@@ -127,8 +127,8 @@ class Workload:
 
     def validate_workload(self) -> None:
         """The checks every workload passes, planned or measured."""
-        _check_choice("dtype", self.dtype, DTYPES)
-        _check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
         check_kv_layout(
             kv_group_size=self.kv_group_size,
             kv_residual=self.kv_residual,
@@ -243,9 +243,9 @@ class RunConfig(Workload):
 
     def validate(self) -> None:
         """Every field; a combination the strategy cannot run is not an error here: it becomes an `unsupported` row."""
-        _check_choice("device", self.device, DEVICES)
-        _check_choice("dtype", self.dtype, DTYPES)
-        _check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+        check_choice("device", self.device, DEVICES)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
         for name in ("batch_size", "prompt_len", "gen_len", "min_repeats", "max_repeats", "max_time_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
@@ -261,8 +261,8 @@ class RunConfig(Workload):
             raise ConfigError(f"target_rse: must be in (0, 1), got {self.target_rse}")
         if self.max_memory_gb is not None and self.max_memory_gb <= 0:
             raise ConfigError(f"max_memory_gb: must be positive or null, got {self.max_memory_gb}")
-        _check_choice("lengths", self.lengths, LENGTHS)
-        _check_choice("compile", self.compile, ("none", *COMPILE_MODES))
+        check_choice("lengths", self.lengths, LENGTHS)
+        check_choice("compile", self.compile, ("none", *COMPILE_MODES))
         if not 0 < self.min_len_frac <= 1:
             raise ConfigError(f"min_len_frac: must be in (0, 1], got {self.min_len_frac}")
         if self.eval_text is not None and not Path(self.eval_text).is_file():
@@ -304,7 +304,7 @@ class RunConfig(Workload):
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _check_choice(name: str, value: str, allowed) -> None:
+def check_choice(name: str, value: str, allowed) -> None:
     if value not in allowed:
         raise ConfigError(f"{name}: unknown value {value!r}; allowed: {', '.join(allowed)}")
 

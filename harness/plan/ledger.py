@@ -33,9 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.config import Workload, device_type, resolve_model
+from harness.config import Workload, check_choice, device_type, resolve_model
 from harness.errors import ConfigError
-from harness.formats import BITS, DTYPE_BYTES, KV_DTYPES, PER_TOKEN_SCALED, SCALE_BYTES
+from harness.formats import BITS, DTYPE_BYTES, PER_TOKEN_SCALED, SCALE_BYTES
 from harness.model import ModelArgs
 from harness.plan.activations import activation_bytes
 from harness.plan.runtime import GiB, default_runtime_overhead_bytes, detected_memory_bytes
@@ -54,8 +54,7 @@ def kv_bytes_per_token(model: str | Path | dict | ModelArgs, kv_dtype: str, *, k
                      group) and per G value channels of each token (KIVI, harness.kv.quant.Int4Kivi)
     """
     args = resolve_model(model)
-    if kv_dtype not in BITS:
-        raise ConfigError(f"kv_dtype: unknown value {kv_dtype!r}; allowed: {', '.join(BITS)}")
+    check_choice("kv_dtype", kv_dtype, BITS)
     per_head = args.head_dim * BITS[kv_dtype] // 8
     if kv_dtype in PER_TOKEN_SCALED:
         per_head += SCALE_BYTES
@@ -87,7 +86,6 @@ def kv_bytes_allocated(
     when int4 allocates its full-precision tail), for CacheSpec.for_model(args, batch_size, max_tokens=prompt_len +
     gen_len, ...). `options`: the strategy's own (block_size=..., window=...). `dtype` is the compute dtype: int4's
     tail is stored in it."""
-    assert kv_dtype in KV_DTYPES, kv_dtype
     workload = Workload(
         model=model,
         cache={"name": cache, **options},
