@@ -223,7 +223,7 @@ PLANNER_REQUIRED = ("model", "dtype", "kv_dtype", "cache", "batch_size", "prompt
 
 
 def planner_kv_bytes(rows: pd.DataFrame) -> pd.Series:
-    """The real planner's KV bytes (harness.capacity) for each row's workload, aligned on rows.index (Int64).
+    """The real planner's KV bytes (harness.plan) for each row's workload, aligned on rows.index (Int64).
 
     Null, never guessed, where the planner cannot stand for the row: a model that is not a preset here (a
     checkpoint's shapes are in its config.json, which this machine may not have) or whose preset's shapes differ
@@ -255,13 +255,14 @@ def _plain(value: object) -> object:
 def _planner_kv_bytes(workloads: tuple[tuple, ...]) -> list[int | None]:
     """One planner figure per workload (PLANNER_COLUMNS values), None where it cannot stand for the row.
 
-    The one place the dashboard calls the planner. Imported here, not at the top: harness.capacity imports torch
+    The one place the dashboard calls the planner. Imported here, not at the top: harness.plan imports torch
     (seconds at start-up), and only the page that shows the planner's figure should pay for it."""
     import dataclasses
 
-    from harness import capacity
+    from harness import kv
     from harness.errors import ConfigError
     from harness.model import PRESETS, ModelArgs
+    from harness.plan import ledger
 
     figures: list[int | None] = []
     for values in workloads:
@@ -279,20 +280,22 @@ def _planner_kv_bytes(workloads: tuple[tuple, ...]) -> list[int | None]:
         if any(row[key] is not None and row[key] != getattr(args, key) for key in ("n_layers", "head_dim")):
             figures.append(None)  # a checkpoint that shares a preset's name, not the preset
             continue
-        options = {key: row[key] for key in ("block_size", "window", "sinks", "kv_group_size", "kv_residual")}
         try:
+            # the strategy's own options, as its row columns hold them (null: the option's default)
+            options = {key: row[key] for key in kv.option_names(row["cache"]) if row.get(key) is not None}
+            quant = {key: row[key] for key in ("kv_group_size", "kv_residual") if row[key] is not None}
             figures.append(
-                capacity.kv_bytes_allocated(
+                ledger.kv_bytes_allocated(
                     args,
                     cache=row["cache"],
                     kv_dtype=row["kv_dtype"],
                     batch_size=row["batch_size"],
                     prompt_len=row["prompt_len"],
                     gen_len=row["gen_len"],
-                    pool_tokens=row["pool_tokens"],
                     prefix_len=row["prefix_len"] or 0,
                     dtype=row["dtype"],
-                    **{key: value for key, value in options.items() if value is not None},
+                    **quant,
+                    **options,
                 )
             )
         except (ConfigError, ValueError) as exc:  # a workload the planner refuses (unsupported, out of range)

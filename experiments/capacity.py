@@ -25,8 +25,6 @@ tensor is its own mapping, returned when freed, and VmData follows the live tens
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import datetime as dt
 import logging
 import math
 import os
@@ -35,18 +33,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import hydra
 import pandas as pd
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from harness import capacity, runner
-from harness.capacity import GiB, Workload
-from harness.config import ModelConfig, RunConfig
+from harness import runner
+from harness.config import RunConfig, Workload, device_type
 from harness.errors import ConfigError
-from harness.model import ModelArgs
+from harness.plan import ledger as planner
+from harness.plan.runtime import GiB, default_runtime_overhead_bytes
 from harness.store import disk
 
 log = logging.getLogger("kvbench")
@@ -56,23 +53,17 @@ MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's initial M_MMAP_THRESHOLD, pinned: i
 
 
 @dataclass
-class CapacityConfig:
+class CapacityConfig(Workload):
+    """A Workload (model=llama-3.1-8b, cache=paged cache.block_size=32, weights=<dir> plans a Hugging Face
+    config.json, ...) and how the planner is asked about it."""
+
     mode: str = "frontier"  # frontier: measure the OOM frontier beside the prediction; plan: print the ledger
-    model: ModelConfig = field(default_factory=ModelConfig)  # conf/model/: model=llama-3.1-8b, model.n_kv_heads=1
-    weights: str = "dummy"  # dummy: the preset's shapes; or a local directory whose config.json gives the shapes
-    # The strategy's name plus its options, from conf/cache/ (cache=paged cache.block_size=32)
-    cache: dict[str, Any] = field(default_factory=lambda: {"name": "contiguous"})
-    dtype: str = "bf16"  # compute dtype of weights and activations
-    kv_dtype: str = "auto"  # KV storage: auto (= dtype), fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, int8, int4
-    kv_group_size: int = 32  # int4: values per quantization group
-    kv_residual: int = 0  # int4: newest tokens kept in full precision
-    prefix_len: int = 0  # leading prompt tokens every request shares
     prompt_len: int = 2048  # plan: tokens per prompt
     gen_len: int = 2  # tokens generated per request (frontier: 2, one decode step, keeps each probe short)
-    concurrency: int = 1  # plan: concurrent requests
+    concurrency: int | None = None  # plan: concurrent requests, the workload's batch_size (null: batch_size)
     memory_gb: float | None = None  # plan: the device's memory in GiB; null: detected (CUDA total, else RAM)
     device: str = "auto"  # auto: cuda when available, else cpu
-    runtime_overhead_gb: float | None = None  # null: measured (harness.capacity.default_runtime_overhead_bytes)
+    runtime_overhead_gb: float | None = None  # null: measured (harness.plan.runtime.default_runtime_overhead_bytes)
     # frontier
     contexts: list[int] = field(default_factory=lambda: [512, 2048, 8192])  # prompt_len + gen_len of each frontier
     max_memory_gb: float = 1.5  # the cap every probe runs under (GiB)
@@ -82,12 +73,12 @@ class CapacityConfig:
     results_dir: str = "results"
     seed: int = 0
 
-    def __post_init__(self) -> None:
-        if isinstance(self.model, dict):
-            self.model = ModelConfig(**self.model)
+    def validate(self) -> None:
+        """This app's fields, then the workload at the length it is planned for (frontier: the longest context)."""
+        if self.concurrency is not None:
+            self.batch_size = self.concurrency
         if self.mode not in MODES:
             raise ConfigError(f"mode: unknown value {self.mode!r}; allowed: {', '.join(MODES)}")
-        self.cache = dict(self.cache)
         if "name" not in self.cache:
             raise ConfigError("cache.name: missing")
         if self.runtime_overhead_gb is not None and self.runtime_overhead_gb < 0:
@@ -103,8 +94,8 @@ class CapacityConfig:
                 if context <= self.gen_len:
                     raise ConfigError(f"contexts: each must exceed gen_len={self.gen_len}, got {context}")
             self.probe_config(batch_size=1, context=max(self.contexts))  # the probes' own checks, up front
-            capacity.ledger(  # the planner's: a strategy this device cannot run, a cap below the weights
-                self.workload(prompt_len=max(self.contexts) - self.gen_len, concurrency=1),
+            planner.ledger(  # the planner's: a strategy this device cannot run, a cap below the weights
+                self.workload(prompt_len=max(self.contexts) - self.gen_len, batch_size=1),
                 memory_gb=self.max_memory_gb,
                 device=self.device,
                 runtime_overhead_bytes=0,
@@ -115,47 +106,11 @@ class CapacityConfig:
     def runtime_overhead_bytes(self) -> int | None:
         return None if self.runtime_overhead_gb is None else int(self.runtime_overhead_gb * GiB)
 
-    def model_args(self) -> ModelArgs:
-        """The preset, or the checkpoint directory's config.json (only the config: planning needs no weights), with
-        model.n_kv_heads applied as RunConfig applies it."""
-        args = capacity.resolve_model(self.model.name if self.weights == "dummy" else self.weights)
-        if self.model.n_kv_heads is None or self.model.n_kv_heads == args.n_kv_heads:
-            return args
-        if self.model.n_kv_heads <= 0 or args.n_heads % self.model.n_kv_heads:
-            raise ConfigError(f"model.n_kv_heads: must divide {args.name}'s {args.n_heads} query heads")
-        return dataclasses.replace(args, n_kv_heads=self.model.n_kv_heads)
-
-    def workload(self, *, prompt_len: int, concurrency: int | None = None) -> Workload:
-        options = {key: value for key, value in self.cache.items() if key != "name"}
-        return Workload(
-            model=self.model_args(),
-            dtype=self.dtype,
-            kv_dtype=self.kv_dtype,
-            cache=self.cache["name"],
-            prefix_len=self.prefix_len,
-            kv_group_size=self.kv_group_size,
-            kv_residual=self.kv_residual,
-            prompt_len=prompt_len,
-            gen_len=self.gen_len,
-            concurrency=concurrency or self.concurrency,
-            **options,
-        )
-
     def probe_config(self, *, batch_size: int, context: int) -> RunConfig:
         """One probe: a decode point of this batch and context, one generation, nothing else, under the cap."""
         return RunConfig(
-            model=dataclasses.asdict(self.model),
-            weights=self.weights,
-            cache=self.cache,
+            **(self.workload_fields() | dict(batch_size=batch_size, prompt_len=context - self.gen_len)),
             device=self.device,
-            dtype=self.dtype,
-            kv_dtype=self.kv_dtype,
-            kv_group_size=self.kv_group_size,
-            kv_residual=self.kv_residual,
-            prefix_len=self.prefix_len,
-            batch_size=batch_size,
-            prompt_len=context - self.gen_len,
-            gen_len=self.gen_len,
             warmup=0,
             min_repeats=1,
             max_repeats=1,
@@ -234,31 +189,7 @@ def find_frontier(cfg: CapacityConfig, *, context: int, predicted: int, probe=me
         return max(1, math.floor(cfg.resolution * low))
 
     start = min(max(1, predicted), cfg.max_batch)
-    if fits(start):  # gallop up: start, start + w, start + 2w, start + 4w, ... until one does not fit
-        low, stride = start, width(start)
-        high = None
-        while high is None and low < cfg.max_batch:
-            candidate = min(low + stride, cfg.max_batch)
-            if fits(candidate):
-                low, stride = candidate, stride * 2
-            else:
-                high = candidate
-        high = high if high is not None else cfg.max_batch + 1
-    else:  # gallop down
-        high, stride = start, width(start)
-        low = 0
-        while high > 1:
-            candidate = max(1, high - stride)
-            if fits(candidate):
-                low = candidate
-                break
-            high, stride = candidate, stride * 2
-    while high - low > width(low) and low >= 1:  # bisect
-        middle = (low + high) // 2
-        if fits(middle):
-            low = middle
-        else:
-            high = middle
+    low, high = planner.bracket(fits, low=1, high=cfg.max_batch, start=start, width=width)
     last_ok = probes[low].row if low in probes else {}
     return {
         "measured_max_batch": low,
@@ -274,17 +205,17 @@ def find_frontier(cfg: CapacityConfig, *, context: int, predicted: int, probe=me
 
 def frontier_rows(cfg: CapacityConfig, *, probe=measured_row) -> pd.DataFrame:
     """One row per context: the measured frontier beside the planner's max batch under the same cap."""
-    device = capacity.resolve_device(cfg.device)
+    device = device_type(cfg.device)
     rows = []
     with pinned_mmap_threshold(cfg.pin_mmap_threshold):
         # The CPU cap (RLIMIT_DATA) covers the whole process, its runtime included; the CUDA cap (the allocator's
         # fraction) only what the allocator holds, so there the runtime does not count against it.
         runtime_bytes = cfg.runtime_overhead_bytes
         for context in cfg.contexts:
-            workload = cfg.workload(prompt_len=context - cfg.gen_len, concurrency=1)
+            workload = cfg.workload(prompt_len=context - cfg.gen_len, batch_size=1)
             if runtime_bytes is None:
-                runtime_bytes = capacity.default_runtime_overhead_bytes(device, workload) if device == "cpu" else 0
-            book = capacity.ledger(
+                runtime_bytes = default_runtime_overhead_bytes(device, workload) if device == "cpu" else 0
+            book = planner.ledger(
                 workload, memory_gb=cfg.max_memory_gb, device=device, runtime_overhead_bytes=runtime_bytes
             )
             predicted = book.max_concurrency
@@ -293,15 +224,15 @@ def frontier_rows(cfg: CapacityConfig, *, probe=measured_row) -> pd.DataFrame:
             except RuntimeError as exc:  # a probe that neither ran nor ran out of memory: recorded, not raised
                 log.error("%s", exc)
                 measured = dict.fromkeys(FRONTIER_COLUMNS) | {"error": str(exc)}
-            at_frontier = workload.replace(concurrency=max(1, measured["measured_max_batch"] or 1))
-            predicted_dynamic = capacity.total_bytes(at_frontier, runtime_overhead_bytes=0)  # without the runtime
+            at_frontier = workload.replace(batch_size=max(1, measured["measured_max_batch"] or 1))
+            predicted_dynamic = planner.total_bytes(at_frontier, runtime_overhead_bytes=0)  # without the runtime
             rows.append(
                 {
-                    "model": workload.model.name,
+                    "model": workload.model_args().name,
                     "device": device,
                     "dtype": cfg.dtype,
                     "kv_dtype": workload.kv_dtype_name,
-                    "cache": workload.cache,
+                    "cache": workload.cache_name,
                     "context": context,
                     "prompt_len": workload.prompt_len,
                     "gen_len": cfg.gen_len,
@@ -321,20 +252,6 @@ def frontier_rows(cfg: CapacityConfig, *, probe=measured_row) -> pd.DataFrame:
     growth = pd.to_numeric(table["peak_mem_bytes"]) - pd.to_numeric(table["mem_baseline_bytes"])
     table["rss_error"] = (table["predicted_model_bytes"] - growth) / growth
     return table
-
-
-def write_table(table: pd.DataFrame, directory: Path) -> Path:
-    """Atomically: a temp file beside the target, then os.replace."""
-    directory.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = directory / f"{disk.FRONTIER_PREFIX}{stamp}.parquet"
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        table.to_parquet(tmp, index=False)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
 
 
 def format_frontier(table: pd.DataFrame) -> str:
@@ -357,7 +274,7 @@ def main(cfg: DictConfig) -> None:
     try:
         config = CapacityConfig(**OmegaConf.to_container(cfg, resolve=True))
         if config.mode == "plan":
-            book = capacity.ledger(
+            book = planner.ledger(
                 config.workload(prompt_len=config.prompt_len),
                 memory_gb=config.memory_gb,
                 device=config.device,
@@ -367,10 +284,10 @@ def main(cfg: DictConfig) -> None:
         print(f"kvbench: bad config: {exc}", file=sys.stderr)
         sys.exit(2)
     if config.mode == "plan":
-        print(capacity.format_ledger(book))
+        print(planner.format_ledger(book))
         return
     table = frontier_rows(config)
-    path = write_table(table, Path(config.results_dir) / "capacity")
+    path = disk.write_frontier(table, Path(config.results_dir) / "capacity")
     print(format_frontier(table))
     print(f"written: {path}")
 

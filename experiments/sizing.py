@@ -21,9 +21,11 @@ from omegaconf import OmegaConf
 
 import experiments.decode  # noqa: F401  (registers the run_config schema that conf/config.yaml extends)
 from experiments.callbacks import sweep_jobs
-from harness import capacity, kv, roofline, sweep
+from harness import kv, roofline
 from harness.bench import is_lossy
 from harness.config import RunConfig
+from harness.plan.ledger import total_bytes, weights_bytes
+from harness.plan.runtime import CUDA_RUNTIME_DEFAULT_BYTES
 from harness.spec import spec_for
 
 ROOT = Path(__file__).parents[1]
@@ -94,14 +96,8 @@ def step_seconds(cost: roofline.StepCost, *, gpu: Gpu, dtype: str, n_layers: int
 def generation_seconds(cfg: RunConfig, *, gpu: Gpu) -> float:
     """One whole generation of the point: its prefill, then its gen_len - 1 decode steps (harness.decode)."""
     args = cfg.model_args()
-    options = kv.parse_options(cfg.cache["name"], cfg.cache_options)
-    shape = dict(
-        dtype=cfg.dtype,
-        kv_dtype=cfg.kv_dtype_name,
-        cache=cfg.cache["name"],
-        window=getattr(options, "window", None),  # a strategy with a window says so (harness.bench does the same)
-        kv_group_size=cfg.kv_group_size,
-    )
+    # The strategy's own reads (its layout: a window caps them, `none` recomputes), as harness.bench asks them.
+    shape = dict(dtype=cfg.dtype, kv_dtype=cfg.kv_dtype_name, layout=cfg.layout(), kv_group_size=cfg.kv_group_size)
     costs = [roofline.prefill_cost(args, batch_size=cfg.batch_size, prompt_len=cfg.prompt_len, **shape)]
     costs += [
         roofline.decode_step_cost(args, batch_size=cfg.batch_size, context_len=context, **shape)
@@ -127,7 +123,7 @@ def point_seconds(cfg: RunConfig, *, gpu: Gpu) -> float:
         seconds += PROFILER_START_S + generation
     if cfg.compile != "none":
         seconds += COMPILE_S + COMPILE_S_PER_LAYER * cfg.model_args().n_layers
-    weights = capacity.weights_bytes(cfg.model_args(), cfg.dtype)
+    weights = weights_bytes(cfg.model_args(), cfg.dtype)
     return seconds + POINT_OVERHEAD_S + weights / BUILD_BYTES_PER_S
 
 
@@ -137,21 +133,22 @@ def sweep_seconds(points: Sequence[RunConfig], *, gpu: Gpu) -> float:
 
 
 def point_bytes(cfg: RunConfig) -> int:
-    """Device memory a point needs at its peak, by the capacity planner (harness.capacity.total_bytes, with the CUDA
+    """Device memory a point needs at its peak, by the capacity planner (harness.plan.ledger.total_bytes, with the CUDA
     runtime's assumed overhead), plus what the planner leaves out: the accuracy pass of a lossy point holds an exact
     contiguous cache at the compute dtype beside the point's and two fp32 logit tensors [B, gen_len, V]."""
-    workload = sweep.workload(cfg)
-    need = capacity.total_bytes(workload, runtime_overhead_bytes=capacity.CUDA_RUNTIME_DEFAULT_BYTES)
+    workload = cfg.workload()  # the planner's view of the point
+    need = total_bytes(workload, runtime_overhead_bytes=CUDA_RUNTIME_DEFAULT_BYTES)
     if cfg.accuracy and is_lossy(cfg):
-        exact = workload.replace(cache="contiguous", kv_dtype="auto", block_size=16, pool_tokens=None)
-        logits = 2 * cfg.batch_size * cfg.gen_len * workload.model.vocab_size * 4
-        need += capacity.kv_allocation(exact).total_bytes + logits
+        exact = workload.replace(cache={"name": kv.EXACT_REFERENCE}, kv_dtype="auto")
+        logits = 2 * cfg.batch_size * cfg.gen_len * workload.model_args().vocab_size * 4
+        need += exact.layout().allocation(exact).total_bytes + logits
     return need
 
 
 def point_fits(cfg: RunConfig, *, memory_gb: float) -> bool:
     """Whether the point fits memory_gb decimal GB (and its KV pool holds the batch)."""
-    return capacity.pool_fits(sweep.workload(cfg)) and point_bytes(cfg) <= memory_gb * 1e9
+    workload = cfg.workload()
+    return workload.layout().pool_fits(workload) and point_bytes(cfg) <= memory_gb * 1e9
 
 
 # --- presets and their sweeps --------------------------------------------------------------------------------------

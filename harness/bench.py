@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from harness import accuracy, ceilings, fragmentation, kv, profile, roofline
+from harness import accuracy, ceilings, fragmentation, kv, profile, roofline_row
 from harness.config import DTYPES, RunConfig
 from harness.decode import check_compilable, compile_decode_step, cudagraph_skips, generate
 from harness.environment import environment_columns
@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 # Decode steps the warm-up must run for a compiled step: torch.compile traces at the first call; CUDA graph trees
 # (reduce-overhead) run the second as their own warm-up and record at the third. Only replays are timed.
 COMPILE_WARMUP_STEPS = 3
+OPTION_COLUMNS = ("block_size", "pool_tokens", "window", "sinks")  # the schema's option columns, null by default
 
 
 def run_point(cfg: RunConfig) -> PointResult:
@@ -76,10 +77,7 @@ def run_point(cfg: RunConfig) -> PointResult:
                 kv_scale_bytes=cache.kv_scale_bytes(),
                 kv_tail_bytes=cache.kv_tail_bytes(),
             )
-            if hasattr(cache, "kv_bytes_host"):  # offload: how much of it sits in host memory
-                kv_figures["kv_bytes_host"] = cache.kv_bytes_host()
-            if hasattr(cache, "kv_bytes_shared"):  # prefix caching: what sharing the prefix saved
-                kv_figures["kv_bytes_shared"] = cache.kv_bytes_shared()
+            kv_figures.update(cache.peak_columns())  # the strategy's own: offload's kv_bytes_host, ...
             cache.release()
             outputs.append(generated)
             return sample
@@ -94,7 +92,7 @@ def run_point(cfg: RunConfig) -> PointResult:
         # The energy and clock window opens after the warm-up (compilation included) and counts measured tokens only.
         samples = measure(run_once, policy, on_measure_start=probe.begin_timed)
         probe.end_timed(n_tokens=len(samples) * cfg.batch_size * cfg.gen_len)
-        hit = getattr(cache, "prefix_hit", None)  # prefix caching: the measured prefills found the prefix cached
+        hit = cache.prefix_hit  # a prefix cache: the measured prefills found the prefix cached; else None
         if hit is not None:
             row["prefix_hit"] = hit
             row["ttft_miss_ms"] = median_miss_ttft(cache, run_once, n=cfg.min_repeats)
@@ -125,7 +123,7 @@ def run_point(cfg: RunConfig) -> PointResult:
     # The seed notes' formula, for the full length this point reserves: 2 x layers x tokens x kv_heads x head_dim
     # x bytes x batch. Contiguous storage must equal it exactly; the test suite holds it to that.
     row["kv_bytes_predicted"] = int(spec.batch_size * spec.max_tokens * spec.bytes_per_token)
-    row["attn_backend"] = getattr(cache, "attn_backend", "sdpa")  # a strategy with its own kernel says which
+    row["attn_backend"] = cache.attn_backend  # the decode attention that ran: a strategy with its own kernel says which
     row["output_digest"] = digest(outputs[-1])
     row["status"] = "ok"
     if cfg.compile == "reduce-overhead":
@@ -158,19 +156,8 @@ def roofline_columns(cfg: RunConfig, *, args, tpot_ms: float | None, ttft_ms: fl
     """The analytic step model of this point beside this device's measured ceilings (null peaks if not measured)."""
     stored = ceilings.read_stored(ceilings.ceilings_path(cfg.torch_device(), cfg.ceilings_dir or cfg.results_dir))
     peaks = ceilings.row_columns(stored, cfg.dtype) if stored else {}
-    options = kv.parse_options(cfg.cache["name"], cfg.cache_options)
-    return roofline.roofline_columns(
-        args,
-        batch_size=cfg.batch_size,
-        prompt_len=cfg.prompt_len,
-        gen_len=cfg.gen_len,
-        dtype=cfg.dtype,
-        kv_dtype=cfg.kv_dtype_name,
-        cache=cfg.cache["name"],
-        window=getattr(options, "window", None),
-        prefix_len=cfg.prefix_len,
-        kv_group_size=cfg.kv_group_size,
-        block_size=getattr(options, "block_size", 16),
+    return roofline_row.roofline_columns(
+        cfg,
         tpot_ms=tpot_ms,
         ttft_ms=ttft_ms,
         peak_bw_gbps=peaks.get("peak_bw_gbps"),
@@ -197,13 +184,13 @@ def median_miss_ttft(cache, run_once, *, n: int) -> float:
 
 def is_lossy(cfg: RunConfig) -> bool:
     """K/V stored narrower than they are computed, or dropped (a sliding window): accuracy is then measured."""
-    return cfg.kv_dtype_name != cfg.dtype or cfg.cache["name"] == "sliding"
+    return cfg.kv_dtype_name != cfg.dtype or cfg.layout().lossy
 
 
 def accuracy_columns(cfg: RunConfig, *, model, cache, spec: CacheSpec, prompt) -> dict:
     """Teacher-forced logits through this point's cache against the exact cache (contiguous at the compute dtype)."""
     exact_spec = dataclasses.replace(spec, kv_dtype=cfg.dtype)
-    exact = kv.build("contiguous", exact_spec, {})
+    exact = kv.build(kv.EXACT_REFERENCE, exact_spec, {})
     columns = {}
     if cfg.accuracy and is_lossy(cfg):
         # The exact cache's own greedy continuation is the forced history for both caches.
@@ -232,7 +219,6 @@ def digest(token_ids: torch.Tensor) -> str:
 def config_columns(cfg: RunConfig) -> dict:
     """The identity and config columns, known before anything runs (a failed point records these too)."""
     args = cfg.model_args()
-    options = kv.parse_options(cfg.cache["name"], cfg.cache_options)
     return {
         "point_id": cfg.point_id(),
         "model": args.name,
@@ -244,11 +230,9 @@ def config_columns(cfg: RunConfig) -> dict:
         "dtype": cfg.dtype,
         "kv_dtype": cfg.kv_dtype_name,
         "cache": cfg.cache["name"],
-        # Strategy options that are columns of their own; null for strategies without them.
-        "block_size": getattr(options, "block_size", None),
-        "pool_tokens": getattr(options, "pool_tokens", None),
-        "window": getattr(options, "window", None),
-        "sinks": getattr(options, "sinks", None),
+        # Strategy options that are columns of their own (harness.store.schema); null for strategies without them.
+        **dict.fromkeys(OPTION_COLUMNS),
+        **cfg.layout().option_columns(),
         "kv_group_size": cfg.kv_group_size if cfg.kv_dtype_name == "int4" else None,
         "kv_residual": cfg.kv_residual if cfg.kv_dtype_name == "int4" else None,
         "prefix_len": cfg.prefix_len,

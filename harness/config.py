@@ -3,6 +3,11 @@
 Hydra composes `conf/` onto these dataclasses (registered in its ConfigStore by `experiments/decode.py`); the
 harness only ever sees a validated `RunConfig`. Every check here is cheap and runs before a model is built, so bad
 input fails in a second with one line naming the field and what it allows, and nothing is recorded.
+
+`Workload` is what runs: the model, the formats, the strategy and its options, the batch and the lengths. The
+capacity planner (harness.plan) takes one; `RunConfig` is one, plus how it is measured; experiments/capacity.py's
+config is one, plus how the planner is asked. A field that is not part of what a point measures says so in its
+metadata (POINT_ID), so point_id needs no list of exclusions.
 """
 
 import dataclasses
@@ -16,22 +21,60 @@ import torch
 
 from harness import kv
 from harness.errors import ConfigError
-from harness.kv.quant import BITS
-from harness.model import ModelArgs, load_args
+from harness.formats import COMPILE_MODES, COMPUTE_DTYPES, KV_DTYPES, KV_GROUP_SIZES
+from harness.model import PRESETS, SUPPORTED_MODEL_TYPES, ModelArgs, load_args
 
-# Compute dtypes by name, and KV storage formats: "auto" stores K/V in the compute dtype, as vLLM's default does;
-# the quantized formats are codecs (harness/kv/quant.py).
+# Compute dtypes by name (harness.formats holds their sizes, and the KV storage formats).
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-KV_DTYPES = ("auto", *BITS)
-KV_GROUP_SIZES = (32, 64)
+assert tuple(DTYPES) == COMPUTE_DTYPES
 DEVICES = ("auto", "cpu", "cuda")
 LENGTHS = ("fixed", "mixed")
-COMPILE_MODES = ("none", "default", "reduce-overhead")  # torch.compile modes of the decode step
-# Fields added after results were first recorded: at their default they stay out of point_id, so older points keep
-# their ids (a rerun finds them) and only points that use the new field hash differently.
-_LATER_DEFAULTS = {"compile": "none"}
-# How and where a point runs, not what it measures: left out of point_id, so they never make a point "new".
-NOT_MEASURED = ("results_dir", "isolate", "ceilings_dir", "profile_trace", "reuse_worker", "force", "oom_backstop")
+# Field metadata for point_id. {POINT_ID: False}: how and where a point runs, not what it measures, so it never
+# makes a point "new". {LATER_DEFAULT: value}: a field added after results were first recorded; at that default it
+# stays out of point_id, so older points keep their ids (a rerun finds them).
+POINT_ID = "point_id"
+LATER_DEFAULT = "later_default"
+NOT_MEASURED = {POINT_ID: False}
+
+
+def resolve_model(model: str | Path | dict | ModelArgs) -> ModelArgs:
+    """A preset name, a local directory holding a Hugging Face config.json (or the file), a config dict, or
+    ModelArgs -> ModelArgs. Only the config is read: no weights are needed to plan."""
+    if isinstance(model, ModelArgs):
+        return model
+    if isinstance(model, dict):
+        return _from_hf_config(model, name=str(model.get("_name_or_path") or "hf-config"))
+    name = str(model)
+    if name in PRESETS:
+        return ModelArgs.from_name(name)
+    path = Path(name)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file() and path.suffix == ".json":
+        return _from_hf_config(json.loads(path.read_text()), name=path.resolve().parent.name)
+    raise ConfigError(
+        f"model: unknown preset {name!r}; allowed: {', '.join(PRESETS)}, or a local directory with a config.json"
+    )
+
+
+def _from_hf_config(config: dict, *, name: str) -> ModelArgs:
+    if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"model: {name} has model_type {config.get('model_type')!r}; allowed: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    try:
+        return ModelArgs.from_hf_config(config, name=name)
+    except KeyError as exc:
+        raise ConfigError(f"model: {name}'s config.json lacks {exc.args[0]!r}") from None
+
+
+def device_type(device: str) -> str:
+    """ "auto", "cpu" or "cuda" -> "cpu" or "cuda" (auto: cuda when available). A planner may name a device that is
+    not here; a measured point may not (RunConfig.torch_device)."""
+    check_choice("device", device, DEVICES)
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
 
 @dataclass
@@ -42,12 +85,18 @@ class ModelConfig:
 
 
 @dataclass
-class RunConfig:
+class Workload:
+    """What runs: the model, its formats, the cache strategy and its options, the batch and the lengths.
+
+    Validated once, at construction. A plain Workload is the planner's: it also rejects the combinations a strategy
+    cannot run (its layout's check) and accepts for `model`, beside a ModelConfig, what a planner is given: a preset
+    name, a local directory with a Hugging Face config.json (or the file), a config dict, or ModelArgs.
+    """
+
     model: ModelConfig = field(default_factory=ModelConfig)
     # The strategy's name plus its own options (see harness/kv/<name>.py: Options), e.g. {name: paged, block_size: 16}
     cache: dict[str, Any] = field(default_factory=lambda: {"name": "contiguous"})
     weights: str = "dummy"  # "dummy": seeded random at the preset's shapes; or a local HF checkpoint directory
-    device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str = "bf16"  # compute dtype of weights and activations
     kv_dtype: str = "auto"  # storage format of the KV cache: auto (= dtype), a float dtype, fp8_e4m3/e5m2, int8, int4
     kv_group_size: int = 32  # int4: values per quantization group (32 or 64)
@@ -56,6 +105,108 @@ class RunConfig:
     prompt_len: int = 128  # tokens per prompt (random ids, seeded)
     gen_len: int = 32  # tokens generated per sequence, greedy, no EOS
     prefix_len: int = 0  # leading prompt tokens shared by every sequence of the batch (a system prompt)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, dict) and set(self.model) <= {f.name for f in dataclasses.fields(ModelConfig)}:
+            self.model = ModelConfig(**self.model)  # Hydra's {name, n_kv_heads}; any other dict is a config.json
+        self.cache = {"name": self.cache} if isinstance(self.cache, str) else dict(self.cache)
+        try:
+            self.validate()
+        except ConfigError:
+            raise
+        except ValueError as exc:  # the strategy's and the model loader's own one-line checks
+            raise ConfigError(str(exc)) from None
+
+    def validate(self) -> None:
+        """The workload's fields, then what its strategy cannot run (harness.kv: the layout's check)."""
+        for name in ("batch_size", "prompt_len", "gen_len"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        self.validate_workload()
+        self.layout().check(self)
+
+    def validate_workload(self) -> None:
+        """The checks every workload passes, planned or measured."""
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+        check_kv_layout(
+            kv_group_size=self.kv_group_size,
+            kv_residual=self.kv_residual,
+            prefix_len=self.prefix_len,
+            prompt_len=self.prompt_len,
+        )
+        if "name" not in self.cache:
+            raise ConfigError(f"cache.name: missing; allowed: {', '.join(kv.strategy_names())}")
+        kv.parse_options(self.cache["name"], self.cache_options)
+        args = self.model_args()
+        if self.kv_dtype_name == "int4" and args.head_dim % self.kv_group_size:
+            raise ConfigError(
+                f"kv_group_size: {args.name}'s head_dim {args.head_dim} is not a multiple of {self.kv_group_size}; "
+                f"allowed: a group size dividing {args.head_dim}"
+            )
+        if self.max_tokens > args.max_seq_len:
+            raise ConfigError(
+                f"prompt_len + gen_len: {self.max_tokens} exceeds {args.name}'s "
+                f"{args.max_seq_len} positions; allowed: at most {args.max_seq_len}"
+            )
+
+    # --- resolved views of the fields -------------------------------------------------------------------------
+    @property
+    def cache_name(self) -> str:
+        return self.cache["name"]
+
+    @property
+    def cache_options(self) -> dict[str, Any]:
+        return {key: value for key, value in self.cache.items() if key != "name"}
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return self.dtype if self.kv_dtype == "auto" else self.kv_dtype
+
+    @property
+    def max_tokens(self) -> int:
+        return self.prompt_len + self.gen_len
+
+    def layout(self) -> "kv.Layout":
+        """What this workload's strategy knows about it without building it (harness.kv.base.Layout)."""
+        return kv.layout(self.cache["name"], self.cache_options)
+
+    def model_args(self) -> ModelArgs:
+        if not isinstance(self.model, ModelConfig):
+            return resolve_model(self.model)
+        args = self._preset_args(self.model.name)
+        if self.model.n_kv_heads is None or self.model.n_kv_heads == args.n_kv_heads:
+            return args
+        if self.model.n_kv_heads <= 0 or args.n_heads % self.model.n_kv_heads:
+            divisors = [str(d) for d in range(1, args.n_heads + 1) if args.n_heads % d == 0]
+            raise ConfigError(
+                f"model.n_kv_heads: must divide {args.name}'s {args.n_heads} query heads, got "
+                f"{self.model.n_kv_heads}; allowed: {', '.join(divisors)}"
+            )
+        # Same preset, other KV heads: the dummy weights follow the shapes (the n_kv_heads and n_params columns say so).
+        return dataclasses.replace(args, n_kv_heads=self.model.n_kv_heads)
+
+    def _preset_args(self, preset: str) -> ModelArgs:
+        """The preset, or the checkpoint directory's config.json (only the config: planning needs no weights)."""
+        return resolve_model(preset if self.weights == "dummy" else self.weights)
+
+    def workload_fields(self) -> dict[str, Any]:
+        """This workload's own fields, whatever the class that extends it adds."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Workload)}
+
+    def workload(self, **changes: Any) -> "Workload":
+        """This workload alone, as a planner's Workload (validated as one), with `changes` applied."""
+        return Workload(**(self.workload_fields() | changes))
+
+    def replace(self, **changes: Any) -> "Workload":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class RunConfig(Workload):
+    """A Workload and how it is measured."""
+
+    device: str = "auto"  # auto: cuda when available, else cpu
     # fixed: every sequence is prompt_len + gen_len. mixed: each request's lengths drawn uniformly from
     # [min_len_frac, 1] of them, to measure allocation waste (harness/fragmentation.py; no timing).
     lengths: str = "fixed"
@@ -68,39 +219,33 @@ class RunConfig:
     accuracy: bool = True  # lossy points (quantized KV, sliding past its window): teacher-forced error vs exact
     eval_text: str | None = None  # a local text file: perplexity with and without the lossy cache (real weights)
     roofline: bool = True  # analytic FLOPs/bytes beside the measured ceilings of this device (harness/roofline.py)
-    ceilings_dir: str | None = None  # where measured ceilings are stored and reused; null: results_dir
+    # where measured ceilings are stored and reused; null: results_dir
+    ceilings_dir: str | None = field(default=None, metadata=NOT_MEASURED)
     ceilings_quick: bool = False  # a quick, rough ceilings measurement (tests); a full one replaces it when asked
     profile: bool = True  # a separate torch.profiler pass over a few decode steps: where the time goes
     profile_steps: int = 4
-    profile_trace: bool = False  # also export a Chrome trace next to the row
-    compile: str = "none"  # torch.compile the decode step: none, default, reduce-overhead (CUDA graphs)
+    profile_trace: bool = field(default=False, metadata=NOT_MEASURED)  # also export a Chrome trace next to the row
+    # torch.compile the decode step: none, default, reduce-overhead (CUDA graphs)
+    compile: str = field(default="none", metadata={LATER_DEFAULT: "none"})
     max_memory_gb: float | None = None  # cap on the measuring process: RLIMIT on CPU, memory fraction on CUDA
-    results_dir: str = "results"
+    results_dir: str = field(default="results", metadata=NOT_MEASURED)
     seed: int = 0
-    isolate: bool = True  # measure each point in a spawned process, never in the sweep's; false only for debugging
+    # measure each point in a spawned process, never in the sweep's; false only for debugging
+    isolate: bool = field(default=True, metadata=NOT_MEASURED)
     # Reuse that process for the next point while isolation allows it: the last point was ok or unsupported, no
     # max_memory_gb cap, and its peak RSS can be reset (Linux). False: a fresh process per point.
-    reuse_worker: bool = True
-    force: bool = False  # measure again a point already recorded (ok, oom, unsupported, skipped_oom) in results_dir
+    reuse_worker: bool = field(default=True, metadata=NOT_MEASURED)
+    # measure again a point already recorded (ok, oom, unsupported, skipped_oom) in results_dir
+    force: bool = field(default=False, metadata=NOT_MEASURED)
     # Record a point as skipped_oom, unmeasured, when the capacity planner says it needs at least as much memory as
     # an OOM point of the same sweep (same model, strategy, dtypes, options); false: measure it anyway.
-    oom_backstop: bool = True
+    oom_backstop: bool = field(default=True, metadata=NOT_MEASURED)
 
-    def __post_init__(self) -> None:
-        if isinstance(self.model, dict):
-            self.model = ModelConfig(**self.model)
-        self.cache = dict(self.cache)
-        try:
-            self._validate()
-        except ConfigError:
-            raise
-        except ValueError as exc:  # the strategy's and the model loader's own one-line checks
-            raise ConfigError(str(exc)) from None
-
-    def _validate(self) -> None:
-        _check_choice("device", self.device, DEVICES)
-        _check_choice("dtype", self.dtype, DTYPES)
-        _check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+    def validate(self) -> None:
+        """Every field; a combination the strategy cannot run is not an error here: it becomes an `unsupported` row."""
+        check_choice("device", self.device, DEVICES)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
         for name in ("batch_size", "prompt_len", "gen_len", "min_repeats", "max_repeats", "max_time_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
@@ -116,86 +261,50 @@ class RunConfig:
             raise ConfigError(f"target_rse: must be in (0, 1), got {self.target_rse}")
         if self.max_memory_gb is not None and self.max_memory_gb <= 0:
             raise ConfigError(f"max_memory_gb: must be positive or null, got {self.max_memory_gb}")
-        _check_choice("lengths", self.lengths, LENGTHS)
-        _check_choice("compile", self.compile, COMPILE_MODES)
+        check_choice("lengths", self.lengths, LENGTHS)
+        check_choice("compile", self.compile, ("none", *COMPILE_MODES))
         if not 0 < self.min_len_frac <= 1:
             raise ConfigError(f"min_len_frac: must be in (0, 1], got {self.min_len_frac}")
-        check_kv_layout(
-            kv_group_size=self.kv_group_size,
-            kv_residual=self.kv_residual,
-            prefix_len=self.prefix_len,
-            prompt_len=self.prompt_len,
-        )
         if self.eval_text is not None and not Path(self.eval_text).is_file():
             raise ConfigError(f"eval_text: {self.eval_text!r} is not a file; allowed: a local text file, or null")
         if self.eval_text is not None and self.weights == "dummy":
             raise ConfigError("eval_text: perplexity needs a real checkpoint; allowed: weights=<checkpoint dir>")
-        if "name" not in self.cache:
-            raise ConfigError(f"cache.name: missing; allowed: {', '.join(kv.strategy_names())}")
-        kv.parse_options(self.cache["name"], self.cache_options)
-        args = self.model_args()
-        if self.kv_dtype_name == "int4" and args.head_dim % self.kv_group_size:
+        if self.model.n_kv_heads is not None and self.weights != "dummy":
             raise ConfigError(
-                f"kv_group_size: {args.name}'s head_dim {args.head_dim} is not a multiple of {self.kv_group_size}; "
-                f"allowed: a group size dividing {args.head_dim}"
+                "model.n_kv_heads: a checkpoint's heads cannot be resized; allowed: null with weights=<dir>"
             )
-        if self.prompt_len + self.gen_len > args.max_seq_len:
-            raise ConfigError(
-                f"prompt_len + gen_len: {self.prompt_len + self.gen_len} exceeds {args.name}'s "
-                f"{args.max_seq_len} positions; allowed: at most {args.max_seq_len}"
-            )
+        self.validate_workload()
         device = self.torch_device()
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         check_storable("dtype", self.dtype, device, capability)
         check_storable("kv_dtype", self.kv_dtype_name, device, capability)
 
-    # --- resolved views of the fields -------------------------------------------------------------------------
-    @property
-    def cache_options(self) -> dict[str, Any]:
-        return {key: value for key, value in self.cache.items() if key != "name"}
-
-    @property
-    def kv_dtype_name(self) -> str:
-        return self.dtype if self.kv_dtype == "auto" else self.kv_dtype
-
     def torch_device(self) -> torch.device:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device: cuda requested but no CUDA device is available; allowed here: auto, cpu")
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return torch.device(device_type(self.device))
 
-    def model_args(self) -> ModelArgs:
-        args = load_args(self.weights, self.model.name)
-        if self.model.n_kv_heads is None or self.model.n_kv_heads == args.n_kv_heads:
-            return args
-        if self.weights != "dummy":
-            raise ConfigError(
-                "model.n_kv_heads: a checkpoint's heads cannot be resized; allowed: null with weights=<dir>"
-            )
-        if self.model.n_kv_heads <= 0 or args.n_heads % self.model.n_kv_heads:
-            divisors = [str(d) for d in range(1, args.n_heads + 1) if args.n_heads % d == 0]
-            raise ConfigError(
-                f"model.n_kv_heads: must divide {args.name}'s {args.n_heads} query heads, got "
-                f"{self.model.n_kv_heads}; allowed: {', '.join(divisors)}"
-            )
-        # Same preset, other KV heads: the dummy weights follow the shapes (the n_kv_heads and n_params columns say so).
-        return dataclasses.replace(args, n_kv_heads=self.model.n_kv_heads)
+    def _preset_args(self, preset: str) -> ModelArgs:
+        """A measured point loads its weights: the checkpoint must hold them (harness.model.load_args)."""
+        return load_args(self.weights, preset)
 
     def point_id(self) -> str:
-        """A stable hash of what is measured: resolved device and dtypes included, output location excluded."""
+        """A stable hash of what is measured: resolved device and dtypes included, fields marked NOT_MEASURED (where
+        and how a point runs) excluded, and a LATER_DEFAULT field at its default excluded."""
         measured = dataclasses.asdict(self)
-        for key in NOT_MEASURED:
-            measured.pop(key)
-        for key, default in _LATER_DEFAULTS.items():
-            if measured[key] == default:
-                measured.pop(key)
+        for f in dataclasses.fields(self):
+            if (
+                not f.metadata.get(POINT_ID, True)
+                or LATER_DEFAULT in f.metadata
+                and measured[f.name] == f.metadata[LATER_DEFAULT]
+            ):
+                measured.pop(f.name)
         measured.update(device=self.torch_device().type, kv_dtype=self.kv_dtype_name)
         blob = json.dumps(measured, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _check_choice(name: str, value: str, allowed) -> None:
+def check_choice(name: str, value: str, allowed) -> None:
     if value not in allowed:
         raise ConfigError(f"{name}: unknown value {value!r}; allowed: {', '.join(allowed)}")
 

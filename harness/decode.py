@@ -21,10 +21,10 @@ import torch
 from torch.profiler import record_function
 
 from harness.errors import Unsupported
+from harness.formats import COMPILE_MODES
 from harness.kv.base import KVCache
 from harness.timing import Sample, StepTimer
 
-COMPILE_MODES = ("default", "reduce-overhead")  # torch.compile's modes a decode step can take here
 # step(tokens [B, S], pos) -> the next token [B], for the sequences in `tokens` whose newest token sits at pos.
 DecodeStep = Callable[[torch.Tensor, int], torch.Tensor]
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import random
 
-from harness import kv
 from harness.config import RunConfig
-from harness.errors import Unsupported
 from harness.kv.base import CacheSpec
 
 
@@ -33,21 +31,9 @@ def request_lengths(cfg: RunConfig) -> list[int]:
 def waste_columns(cfg: RunConfig, spec: CacheSpec) -> dict:
     """Allocated and live KV bytes at the batch's peak, and the fraction wasted, from the real cache tensors."""
     lengths = request_lengths(cfg)
-    name = cfg.cache["name"]
-    options = dict(cfg.cache_options)
-    if name == "contiguous":
-        # Every request reserves the longest it may become (spec.max_tokens), as servers before vLLM did.
-        cache = kv.build(name, spec, options)
-    elif name == "paged":
-        block_size = kv.parse_options(name, options).block_size
-        # A pool of exactly the blocks these requests take at their peak: nothing spare is counted as waste.
-        options["pool_tokens"] = sum(-(-length // block_size) for length in lengths) * block_size
-        cache = kv.build(name, spec, options)
-        for seq, length in enumerate(lengths):
-            cache.ensure_blocks(seq, length)
-        assert not cache.free_blocks, "the pool was sized to the blocks in use"
-    else:
-        raise Unsupported(f"lengths=mixed measures allocation waste of contiguous and paged only, not {name}")
+    # The strategy builds its cache for these requests and grows each to its length (Layout.mixed_batch):
+    # contiguous reserves the longest for every one, paged takes exactly the blocks they need.
+    cache = cfg.layout().mixed_batch(spec, lengths)
     allocated, scales, tail = cache.kv_bytes_allocated(), cache.kv_scale_bytes(), cache.kv_tail_bytes()
     live = int(sum(lengths) * spec.bytes_per_token)
     return {

@@ -41,18 +41,16 @@ Bytes, first order (every tensor crosses HBM once per step; on-chip caches such 
                   token) and lm_head's input and logits (dim + V per sequence). About 5 MB a token for Llama-3.1-8B
                   in bf16: nothing beside 15 GB of weights at batch 1, 8% of a step at batch 256.
 
-Strategies: what each reads (harness.kv).
-    contiguous, paged, offload   the filled part: every key 0..pos. Paged is modelled as a kernel that reads its
-                  blocks in place (the CPU path gathers them into a copy first); offload's KV is counted as device
-                  reads, and the PCIe transfer that bounds it is not modelled.
-    prefix        as paged. On a hit, prefill computes only the suffix (FLOPs, activations and KV written), but its
-                  attention still reads the prefix's K/V, once for every sequence: sharing saves memory, not reads.
-    sliding       a query attends to min(S, window) keys (sinks included: `window` counts them), so decode's KV read
-                  stops growing at the window.
-    none          nothing cached: decode step at position p is a prefill over all p + 1 tokens. Its attention reads
-                  freshly computed K/V (activations, at the compute dtype), not a cache: KV read and written are 0,
-                  and FLOPs grow with the context.
-    any other     as contiguous.
+Strategies: what each reads is its layout's answer (harness/kv/<name>.py: LAYOUT, a harness.kv.base.Layout).
+    keys_attended     the keys one query reads: every key 0..pos by default (contiguous, paged, prefix, offload;
+                      paged is modelled as a kernel that reads its blocks in place, the CPU path gathers them into a
+                      copy first; offload's KV counts as device reads, the PCIe transfer that bounds it is not
+                      modelled); sliding min(S, window), sinks included, so decode's KV read stops growing there.
+    prefix_tokens     a prefix hit's prefill computes only the suffix (FLOPs, activations and KV written), but its
+                      attention still reads the prefix's K/V, once for every sequence: sharing saves memory, not reads.
+    recomputes_prefix nothing cached (`none`): decode step at position p is a prefill over all p + 1 tokens. Its
+                      attention reads freshly computed K/V (activations, at the compute dtype), not a cache: KV read
+                      and written are 0, and FLOPs grow with the context.
 
 Quantized formats (harness.kv.quant) are modelled as a fused kernel that dequantizes in registers: the payload plus
 the scales, nothing else. The harness itself dequantizes into a full-precision copy before attention; that
@@ -70,19 +68,18 @@ Llama-3.1-8B in bf16), is far below any GPU's ridge.
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
-from harness.kv import strategy_names
-from harness.kv.quant import BITS, PLAIN, SCALE_DTYPE
+from harness.formats import BITS, PLAIN, SCALE_BYTES
+from harness.kv.base import Layout
 
 if TYPE_CHECKING:
     from harness.model import ModelArgs
 
-SCALE_BYTES = SCALE_DTYPE.itemsize  # 4: quantization scales and zero points are fp32 (harness.kv.quant)
+# What a strategy without its own answer reads: every key before the query, from a cache (harness.kv.base.Layout).
+DENSE = Layout("dense", options=None)
 
 
 @dataclass(frozen=True)
@@ -179,36 +176,9 @@ def kv_bytes_per_token_read(args: ModelArgs, kv_dtype: str, kv_group_size: int =
     return 2 * args.n_layers * args.n_kv_heads * per_head_side
 
 
-def _attended(n_keys: float, window: int | None) -> float:
-    return n_keys if window is None else min(n_keys, window)
-
-
-def _causal_pairs(first: int, last: int, window: int | None) -> float:
-    """Σ min(n, window) for n = first..last: the (query, key) pairs of queries at positions first-1..last-1."""
-    if last < first:
-        return 0
-
-    def triangle(n: int) -> int:  # 1 + 2 + ... + n
-        return n * (n + 1) // 2
-
-    if window is None or last <= window:
-        return triangle(last) - triangle(first - 1)
-    below = max(0, window - first + 1)  # queries that see fewer keys than the window
-    return triangle(first - 1 + below) - triangle(first - 1) + (last - first + 1 - below) * window
-
-
-@functools.cache
-def _strategies() -> tuple[str, ...]:
-    return tuple(strategy_names())  # a package scan: once, not at every one of a generation's steps
-
-
-def _check(batch_size: int, cache: str, window: int | None) -> None:
+def _check(batch_size: int) -> None:
     if batch_size < 1:
         raise ValueError(f"batch_size: must be at least 1, got {batch_size}")
-    if cache not in _strategies():
-        raise ValueError(f"cache: unknown strategy {cache!r}; allowed: {', '.join(_strategies())}")
-    if window is not None and window < 1:
-        raise ValueError(f"window: must be a positive number of tokens or None, got {window}")
 
 
 # --- one step --------------------------------------------------------------------------------------------------------
@@ -221,8 +191,7 @@ def prefill_cost(
     prompt_len: int,
     dtype: str,
     kv_dtype: str,
-    cache: str = "contiguous",
-    window: int | None = None,
+    layout: Layout = DENSE,
     prefix_cached: int = 0,
     kv_group_size: int = 32,
 ) -> StepCost:
@@ -233,29 +202,30 @@ def prefill_cost(
         KV read    B·(keys visible to some query)·kv_bytes_per_token_read: all prompt_len without a window (the cached
                    prefix included: it is read for every sequence), and the new tokens written then read back, as the
                    harness's strategies attend after storing
-        KV written B·min(T, window)·kv_bytes_per_token_read: a ring keeps only the last `window` of a long prompt
-    `none` keeps no cache: KV read and written are 0, its K/V count as activations, and prefix_cached must be 0.
+        KV written B·tokens_written(T)·kv_bytes_per_token_read: a ring keeps only the last `window` of a long prompt
+    A layout that recomputes (`none`) keeps no cache: KV read and written are 0, its K/V count as activations, and
+    prefix_cached must be 0.
     """
-    _check(batch_size, cache, window)
+    _check(batch_size)
     if not 0 <= prefix_cached < prompt_len:
         raise ValueError(f"prefix_cached: must be in 0..prompt_len-1={prompt_len - 1}, got {prefix_cached}")
-    if cache == "none" and prefix_cached:
-        raise ValueError("prefix_cached: `none` caches nothing, so no prefix can be cached")
+    if layout.recomputes_prefix and prefix_cached:
+        raise ValueError(f"prefix_cached: `{layout.name}` caches nothing, so no prefix can be cached")
     n_new = prompt_len - prefix_cached
-    pairs = _causal_pairs(prefix_cached + 1, prompt_len, window)
+    pairs = layout.causal_pairs(prefix_cached + 1, prompt_len)
     flops = batch_size * (
         n_new * _matmul_flops_per_token(args)
         + pairs * _attention_flops_per_key(args)
         + _lm_head_flops_per_sequence(args)
     )
-    if cache == "none":
+    if layout.recomputes_prefix:
         kv_read = kv_write = 0.0
         recomputed_keys = batch_size * prompt_len
     else:
         per_token = kv_bytes_per_token_read(args, kv_dtype, kv_group_size)
-        first_visible = 0 if window is None else max(0, prefix_cached - window + 1)  # the first query's oldest key
+        first_visible = prefix_cached + 1 - layout.keys_attended(prefix_cached + 1)  # the first query's oldest key
         kv_read = batch_size * (prompt_len - first_visible) * per_token
-        kv_write = batch_size * _attended(n_new, window) * per_token
+        kv_write = batch_size * layout.tokens_written(n_new) * per_token
         recomputed_keys = 0
     return StepCost(
         flops=flops,
@@ -275,34 +245,28 @@ def decode_step_cost(
     context_len: float,
     dtype: str,
     kv_dtype: str,
-    cache: str = "contiguous",
-    window: int | None = None,
+    layout: Layout = DENSE,
     kv_group_size: int = 32,
 ) -> StepCost:
     """One decode step of B sequences whose new token attends to context_len keys, itself included.
 
     The token generated at position p (harness.decode: the step fed position p) has context_len = p + 1.
-        S_att      min(context_len, window)
+        S_att      layout.keys_attended(context_len): min(context_len, window) for a sliding window
         flops      B·(2·N_layers + S_att·4·L·H·D + 2·dim·V)
         weights    all layers + lm_head + B embedding rows, at the compute dtype
         KV read    B·S_att·kv_bytes_per_token_read (the new token's K/V is written, then read back with the rest)
         KV written B·kv_bytes_per_token_read
-    `none`: prefill_cost over context_len tokens (every step recomputes the whole sequence so far).
+    A layout that recomputes (`none`): prefill_cost over context_len tokens (every step recomputes the whole
+    sequence so far).
     """
-    _check(batch_size, cache, window)
+    _check(batch_size)
     if context_len < 1:
         raise ValueError(f"context_len: must be at least 1 (the new token), got {context_len}")
-    if cache == "none":
+    if layout.recomputes_prefix:
         return prefill_cost(
-            args,
-            batch_size=batch_size,
-            prompt_len=round(context_len),
-            dtype=dtype,
-            kv_dtype=kv_dtype,
-            cache=cache,
-            window=window,
+            args, batch_size=batch_size, prompt_len=round(context_len), dtype=dtype, kv_dtype=kv_dtype, layout=layout
         )
-    attended = _attended(context_len, window)
+    attended = layout.keys_attended(context_len)
     per_token = kv_bytes_per_token_read(args, kv_dtype, kv_group_size)
     flops = batch_size * (
         _matmul_flops_per_token(args) + attended * _attention_flops_per_key(args) + _lm_head_flops_per_sequence(args)
@@ -333,8 +297,7 @@ def mean_decode_cost(
     gen_len: int,
     dtype: str,
     kv_dtype: str,
-    cache: str = "contiguous",
-    window: int | None = None,
+    layout: Layout = DENSE,
     kv_group_size: int = 32,
 ) -> StepCost:
     """The mean over the timed decode steps (decode_contexts), the step TPOT measures: exact for every strategy,
@@ -347,215 +310,9 @@ def mean_decode_cost(
                 context_len=context_len,
                 dtype=dtype,
                 kv_dtype=kv_dtype,
-                cache=cache,
-                window=window,
+                layout=layout,
                 kv_group_size=kv_group_size,
             )
             for context_len in decode_contexts(prompt_len, gen_len)
         ]
     )
-
-
-# --- the roofline ----------------------------------------------------------------------------------------------------
-
-
-def ridge_point(*, peak_bw_gbps: float, peak_tflops: float) -> float:
-    """FLOPs per byte at which the compute and the bandwidth ceilings meet."""
-    return peak_tflops * 1e12 / (peak_bw_gbps * 1e9)
-
-
-def _critical_batch_from(one: StepCost, two: StepCost, ridge: float) -> int | None:
-    """The smallest B whose intensity reaches the ridge, a step's cost being affine in B: fixed + B·per_sequence."""
-    per_flops, per_bytes = two.flops - one.flops, two.bytes - one.bytes
-    fixed_flops, fixed_bytes = one.flops - per_flops, one.bytes - per_bytes
-
-    def reaches(batch: int) -> bool:
-        return fixed_flops + batch * per_flops >= ridge * (fixed_bytes + batch * per_bytes)
-
-    if per_flops <= ridge * per_bytes:  # the intensity tends to per_flops / per_bytes: never reaches the ridge
-        return 1 if reaches(1) else None
-    batch = max(1, math.ceil((ridge * fixed_bytes - fixed_flops) / (per_flops - ridge * per_bytes)))
-    while batch > 1 and reaches(batch - 1):  # float rounding at the root: settle on the exact smallest batch
-        batch -= 1
-    while not reaches(batch):
-        batch += 1
-    return batch
-
-
-def critical_batch(
-    args: ModelArgs,
-    *,
-    context_len: float,
-    dtype: str,
-    kv_dtype: str,
-    peak_bw_gbps: float,
-    peak_tflops: float,
-    cache: str = "contiguous",
-    window: int | None = None,
-    kv_group_size: int = 32,
-) -> int | None:
-    """B*: the smallest batch whose decode step at context_len reaches the ridge point; None if no batch does.
-
-    A decode step costs W + B·b bytes (W the weights, b a sequence's KV read and write, activations and embedding
-    row) and B·f FLOPs, so its intensity B·f / (W + B·b) rises with B towards f / b:
-        B* = ridge·W / (f - ridge·b),   None when f <= ridge·b (the context is past critical_context).
-    With b = 0 and bf16 weights this is ≈ the ridge point itself, the JAX scaling book's B ≈ 240-300.
-    """
-    costs = [
-        decode_step_cost(
-            args,
-            batch_size=batch_size,
-            context_len=context_len,
-            dtype=dtype,
-            kv_dtype=kv_dtype,
-            cache=cache,
-            window=window,
-            kv_group_size=kv_group_size,
-        )
-        for batch_size in (1, 2)
-    ]
-    return _critical_batch_from(*costs, ridge=ridge_point(peak_bw_gbps=peak_bw_gbps, peak_tflops=peak_tflops))
-
-
-def critical_context(
-    args: ModelArgs,
-    *,
-    dtype: str,
-    kv_dtype: str,
-    peak_bw_gbps: float,
-    peak_tflops: float,
-    cache: str = "contiguous",
-    window: int | None = None,
-    kv_group_size: int = 32,
-) -> float:
-    """S*: the context beyond which decode cannot reach the ridge point at any batch; math.inf if it never binds.
-
-    As B → ∞ the intensity tends to a sequence's own f(S) / b(S) = (f0 + a·S) / (b0 + k·S): f0 the matmul and
-    lm_head FLOPs, a = 4·L·H·D, b0 the KV write, activations and embedding row, k = kv_bytes_per_token_read. It
-    falls with S while attention's own intensity a / k is below the ridge, and equals it at
-        S* = (f0 - ridge·b0) / (ridge·k - a)
-    0.0 when even the first token cannot reach it; math.inf when a >= ridge·k, when a window caps the keys read
-    below S*, and for `none` (recomputing gains intensity with the context: it never binds).
-    """
-    _check(1, cache, window)
-    if cache == "none":
-        return math.inf
-    ridge = ridge_point(peak_bw_gbps=peak_bw_gbps, peak_tflops=peak_tflops)
-
-    def per_sequence(context_len: int) -> StepCost:
-        one, two = (
-            decode_step_cost(
-                args,
-                batch_size=batch_size,
-                context_len=context_len,
-                dtype=dtype,
-                kv_dtype=kv_dtype,
-                cache=cache,
-                kv_group_size=kv_group_size,
-            )
-            for batch_size in (1, 2)
-        )
-        return StepCost(*(getattr(two, f.name) - getattr(one, f.name) for f in fields(StepCost)))
-
-    at_1, at_2 = per_sequence(1), per_sequence(2)
-    slope_flops, slope_bytes = at_2.flops - at_1.flops, at_2.bytes - at_1.bytes
-    base_flops, base_bytes = at_1.flops - slope_flops, at_1.bytes - slope_bytes
-    if slope_flops >= ridge * slope_bytes:
-        return math.inf
-    context = (base_flops - ridge * base_bytes) / (ridge * slope_bytes - slope_flops)
-    if window is not None and context >= window:
-        return math.inf
-    return max(0.0, context)
-
-
-def prefix_tokens_cached(
-    *, cache: str, prefix_len: int, prompt_len: int, block_size: int, kv_dtype: str, kv_group_size: int
-) -> int:
-    """Tokens a prefix hit skips (harness.kv.prefix): whole shared units of the prefix, one prompt token left over."""
-    if cache != "prefix" or prefix_len <= 0:
-        return 0
-    unit = math.lcm(block_size, kv_group_size) if kv_dtype == "int4" else block_size
-    return max(0, min(prefix_len, prompt_len - 1)) // unit * unit
-
-
-def _known(value: float | None) -> bool:
-    return value is not None and math.isfinite(value) and value > 0  # None, NaN (a null cell) and 0 are unknown
-
-
-def roofline_columns(
-    args: ModelArgs,
-    *,
-    batch_size: int,
-    prompt_len: int,
-    gen_len: int,
-    dtype: str,
-    kv_dtype: str,
-    cache: str,
-    window: int | None = None,
-    prefix_len: int = 0,
-    kv_group_size: int = 32,
-    block_size: int = 16,
-    tpot_ms: float | None = None,
-    ttft_ms: float | None = None,
-    peak_bw_gbps: float | None = None,
-    peak_tflops: float | None = None,
-) -> dict[str, float | int | str | None]:
-    """The analytic, achieved, verdict and ceiling columns of one row.
-
-    Decode figures are the mean over the timed decode steps (mean_decode_cost; context prompt_len + gen_len / 2,
-    capped by the window); the prefill figure is the measured prefill, a prefix hit for `prefix`.
-        flops_per_step, bytes_per_step     one decode step of the whole batch
-        arithmetic_intensity               flops_per_step / bytes_per_step, FLOPs per byte
-        prefill_arithmetic_intensity       the same for the prefill
-        prefill_flops                      FLOPs of the prefill of the whole batch
-        prefill_achieved_tflops            prefill_flops / ttft (TTFT also holds the first token's sampling)
-        achieved_bw_gbps, achieved_tflops  bytes_per_step / tpot, flops_per_step / tpot
-        bw_util, flops_util                achieved / peak
-        bound                              "compute" if arithmetic_intensity >= the ridge point, else "memory"
-        predicted_tpot_ms                  max(flops / peak_flops, bytes / peak_bw) · 1e3
-        critical_batch                     B* at this row's decode steps (critical_batch); None if no batch
-        critical_context                   S* for this model, format and strategy (critical_context); inf if none
-        peak_bw_gbps, peak_tflops          the ceilings, as given
-    Columns that need tpot_ms or the peaks are None when those are missing (None, NaN or 0).
-    """
-    shape = dict(dtype=dtype, kv_dtype=kv_dtype, cache=cache, window=window, kv_group_size=kv_group_size)
-    decode = mean_decode_cost(args, batch_size=batch_size, prompt_len=prompt_len, gen_len=gen_len, **shape)
-    cached = prefix_tokens_cached(
-        cache=cache,
-        prefix_len=prefix_len,
-        prompt_len=prompt_len,
-        block_size=block_size,
-        kv_dtype=kv_dtype,
-        kv_group_size=kv_group_size,
-    )
-    prefill = prefill_cost(args, batch_size=batch_size, prompt_len=prompt_len, prefix_cached=cached, **shape)
-    columns: dict[str, float | int | str | None] = {
-        "flops_per_step": decode.flops,
-        "bytes_per_step": decode.bytes,
-        "arithmetic_intensity": decode.arithmetic_intensity,
-        "prefill_arithmetic_intensity": prefill.arithmetic_intensity,
-        "prefill_flops": prefill.flops,
-        "prefill_achieved_tflops": prefill.flops / (ttft_ms * 1e-3) / 1e12 if _known(ttft_ms) else None,
-        "peak_bw_gbps": peak_bw_gbps if _known(peak_bw_gbps) else None,
-        "peak_tflops": peak_tflops if _known(peak_tflops) else None,
-    }
-    timed, peaks = _known(tpot_ms), _known(peak_bw_gbps) and _known(peak_tflops)
-    achieved_bw = decode.bytes / (tpot_ms * 1e-3) / 1e9 if timed else None
-    achieved_tflops = decode.flops / (tpot_ms * 1e-3) / 1e12 if timed else None
-    columns |= {
-        "achieved_bw_gbps": achieved_bw,
-        "achieved_tflops": achieved_tflops,
-        "bw_util": achieved_bw / peak_bw_gbps if timed and _known(peak_bw_gbps) else None,
-        "flops_util": achieved_tflops / peak_tflops if timed and _known(peak_tflops) else None,
-    }
-    if not peaks:
-        return columns | dict.fromkeys(("bound", "predicted_tpot_ms", "critical_batch", "critical_context"))
-    ridge = ridge_point(peak_bw_gbps=peak_bw_gbps, peak_tflops=peak_tflops)
-    decode_two = mean_decode_cost(args, batch_size=2, prompt_len=prompt_len, gen_len=gen_len, **shape)
-    decode_one = mean_decode_cost(args, batch_size=1, prompt_len=prompt_len, gen_len=gen_len, **shape)
-    return columns | {
-        "bound": "compute" if decode.arithmetic_intensity >= ridge else "memory",
-        "predicted_tpot_ms": max(decode.flops / (peak_tflops * 1e12), decode.bytes / (peak_bw_gbps * 1e9)) * 1e3,
-        "critical_batch": _critical_batch_from(decode_one, decode_two, ridge),
-        "critical_context": critical_context(args, peak_bw_gbps=peak_bw_gbps, peak_tflops=peak_tflops, **shape),
-    }

@@ -8,29 +8,28 @@ harness.store.disk.index, which reads a handful of columns of every row file, so
 points costs a second per point, not a model load.
 
 OOM backstop: within one sweep, once a point ran out of memory, every later point of the same model, strategy,
-dtypes and options that the capacity planner (harness.capacity.total_bytes) says needs at least as much memory is
+dtypes and options that the capacity planner (harness.plan.ledger.total_bytes) says needs at least as much memory is
 recorded as `skipped_oom`, naming the point that ran out, instead of being run into the same wall. The planner is
 monotone in batch and length, so this skips exactly the points "beyond" the OOM, not a guess.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 
 import pandas as pd
 
-from harness import capacity
 from harness.config import RunConfig
 from harness.errors import ConfigError
+from harness.plan.ledger import total_bytes
 from harness.store import disk
 
 SKIPPED = "skipped"  # what experiments.decode.main answers for a point it found recorded
 REFERENCE = disk.REFERENCE_DIR  # committed reference runs, which resume never counts as done
 FINAL = ("ok", "oom", "unsupported", "skipped_oom")  # statuses a rerun would only repeat; `error` is retried
 # Columns that must match between an OOM row and a point for the backstop to compare them: the same model, strategy,
-# formats and options; only the batch and the lengths may differ.
+# formats and options (the strategy's comparable_columns, backstop_keys); only the batch and the lengths may differ.
 BACKSTOP_KEYS = (
     "model",
     "n_kv_heads",
@@ -38,10 +37,6 @@ BACKSTOP_KEYS = (
     "dtype",
     "kv_dtype",
     "cache",
-    "block_size",
-    "pool_tokens",
-    "window",
-    "sinks",
     "kv_group_size",
     "kv_residual",
     "prefix_len",
@@ -63,26 +58,13 @@ def recorded(point_id: str, device_name: str, results_dir: str | Path) -> pd.Ser
     return rows.sort_values("started_at", na_position="first").iloc[-1]
 
 
-def workload(cfg: RunConfig) -> capacity.Workload:
-    """The capacity planner's view of a point."""
-    options = cfg.cache_options
-    return capacity.Workload(
-        model=cfg.model_args(),
-        dtype=cfg.dtype,
-        kv_dtype=cfg.kv_dtype,
-        cache=cfg.cache["name"],
-        prefix_len=cfg.prefix_len,
-        kv_group_size=cfg.kv_group_size,
-        kv_residual=cfg.kv_residual,
-        prompt_len=cfg.prompt_len,
-        gen_len=cfg.gen_len,
-        concurrency=cfg.batch_size,
-        **{key: options[key] for key in ("block_size", "pool_tokens", "window", "sinks") if key in options},
-    )
+def backstop_keys(cfg: RunConfig) -> tuple[str, ...]:
+    """BACKSTOP_KEYS and the option columns the point's strategy says must match (Layout.comparable_columns)."""
+    return (*BACKSTOP_KEYS, *cfg.layout().comparable_columns())
 
 
 def oom_cause(cfg: RunConfig, row: dict, sweep_dir: str | Path) -> pd.Series | None:
-    """An `oom` row of this sweep with the same BACKSTOP_KEYS as `row` (the point's config columns) that needs no
+    """An `oom` row of this sweep with the same backstop_keys as `row` (the point's config columns) that needs no
     more memory than this point by the planner, or None. The first such row, in the order they were measured."""
     sweep_dir = Path(sweep_dir)
     index = disk.index(sweep_dir) if sweep_dir.is_dir() else pd.DataFrame()
@@ -90,7 +72,7 @@ def oom_cause(cfg: RunConfig, row: dict, sweep_dir: str | Path) -> pd.Series | N
         return None
     ooms = pd.concat([disk.load(path) for path in index.loc[index["status"] == "oom", "path"].unique()])
     same = pd.Series(True, index=ooms.index)
-    for key in BACKSTOP_KEYS:
+    for key in backstop_keys(cfg):
         if key in ooms.columns:
             mine = row.get(key)
             same &= ooms[key].isna() if mine is None else (ooms[key] == mine).fillna(False).astype(bool)
@@ -98,13 +80,13 @@ def oom_cause(cfg: RunConfig, row: dict, sweep_dir: str | Path) -> pd.Series | N
     if ooms.empty:
         return None
     try:
-        mine = workload(cfg)
-        need = capacity.total_bytes(mine, runtime_overhead_bytes=0)
+        mine = cfg.workload()  # the planner's view of the point
+        need = total_bytes(mine, runtime_overhead_bytes=0)
         for _, oom in ooms.iterrows():
             shape = dict(
-                concurrency=int(oom["batch_size"]), prompt_len=int(oom["prompt_len"]), gen_len=int(oom["gen_len"])
+                batch_size=int(oom["batch_size"]), prompt_len=int(oom["prompt_len"]), gen_len=int(oom["gen_len"])
             )
-            if need >= capacity.total_bytes(dataclasses.replace(mine, **shape), runtime_overhead_bytes=0):
+            if need >= total_bytes(mine.replace(**shape), runtime_overhead_bytes=0):
                 return oom
     except ConfigError:  # a point the planner cannot describe is measured, never guessed at
         return None

@@ -15,15 +15,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from experiments.capacity import CapacityConfig, find_frontier
-from harness import capacity, kv
-from harness.capacity import GiB, Workload
-from harness.config import RunConfig
+from harness import kv
+from harness.config import DTYPES, RunConfig, Workload, resolve_model
 from harness.decode import generate, prefill
 from harness.errors import ConfigError, Unsupported
 from harness.kv.base import CacheSpec
 from harness.kv.offload import OffloadCache, SyncTransfers
 from harness.kv.offload import Options as OffloadOptions
 from harness.model import ModelArgs, build_model
+from harness.plan import activations
+from harness.plan import ledger as planner
+from harness.plan.runtime import GiB
 from harness.timing import StepTimer
 
 ROOT = Path(__file__).parents[1]
@@ -67,12 +69,12 @@ SHAPES_LLAMA3_70B = ModelArgs(name="llama-3-70b-shapes", dim=8192, n_layers=80, 
     ],
 )
 def test_published_per_token_kv_figures_are_reproduced_exactly(model, kv_dtype, published_bytes):
-    assert capacity.kv_bytes_per_token(model, kv_dtype) == published_bytes
+    assert planner.kv_bytes_per_token(model, kv_dtype) == published_bytes
 
 
 def test_the_nvidia_blog_llama_2_7b_cache_at_4096_tokens_is_2_gib():
     # The blog's "~2 GB": 1 x 4096 x 2 x 32 x 4096 x 2 bytes = 2 GiB exactly, for the reserved 4096 tokens.
-    allocated = capacity.kv_bytes_allocated(
+    allocated = planner.kv_bytes_allocated(
         "llama-2-7b", cache="contiguous", kv_dtype="fp16", batch_size=1, prompt_len=4000, gen_len=96, dtype="fp16"
     )
     assert allocated == 2 * GiB
@@ -82,7 +84,7 @@ def test_the_vllm_blog_llama_13b_sequence_takes_1_7_gb():
     # vLLM blog, "vLLM: Easy, Fast, and Cheap LLM Serving with PagedAttention" (2023-06-20),
     # https://blog.vllm.ai/2023/06/20/vllm.html : the KV cache "takes up to 1.7GB for a single sequence in
     # LLaMA-13B", at its 2048-token context: 2048 x 800 KiB = 1.68e9 bytes.
-    allocated = capacity.kv_bytes_allocated(
+    allocated = planner.kv_bytes_allocated(
         SHAPES_13B, cache="contiguous", kv_dtype="fp16", batch_size=1, prompt_len=2047, gen_len=1, dtype="fp16"
     )
     assert round(allocated / 1e9, 1) == 1.7
@@ -92,8 +94,8 @@ def test_mistral_rolling_buffer_cuts_the_cache_8x_at_32k_tokens():
     # Mistral 7B paper, section 2 (Rolling Buffer Cache): with a 4096-token window, "on a sequence length of 32k
     # tokens, this reduces the cache memory usage by 8x".
     lengths = dict(batch_size=1, prompt_len=32768 - 1, gen_len=1, kv_dtype="bf16")
-    full = capacity.kv_bytes_allocated("mistral-7b", cache="contiguous", **lengths)
-    rolling = capacity.kv_bytes_allocated("mistral-7b", cache="sliding", window=4096, **lengths)
+    full = planner.kv_bytes_allocated("mistral-7b", cache="contiguous", **lengths)
+    rolling = planner.kv_bytes_allocated("mistral-7b", cache="sliding", window=4096, **lengths)
     assert full == 8 * rolling
 
 
@@ -110,16 +112,16 @@ def test_a_local_hugging_face_config_plans_without_weights(tmp_path):
         "rope_theta": 500000.0,
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    assert capacity.kv_bytes_per_token(tmp_path, "bf16") == 128 * KiB
-    assert capacity.resolve_model(tmp_path).n_params == ModelArgs.from_name("llama-3.1-8b").n_params
+    assert planner.kv_bytes_per_token(tmp_path, "bf16") == 128 * KiB
+    assert resolve_model(tmp_path).n_params == ModelArgs.from_name("llama-3.1-8b").n_params
 
 
 def test_quantized_per_token_figures_carry_their_scales():
-    bf16 = capacity.kv_bytes_per_token("llama-3.1-8b", "bf16")
+    bf16 = planner.kv_bytes_per_token("llama-3.1-8b", "bf16")
     # fp8/int8: 1 byte per value + one fp32 scale per token and head: (128 + 4) / 256 of bf16.
-    assert capacity.kv_bytes_per_token("llama-3.1-8b", "fp8_e4m3") / bf16 == (128 + 4) / 256
+    assert planner.kv_bytes_per_token("llama-3.1-8b", "fp8_e4m3") / bf16 == (128 + 4) / 256
     # int4 (KIVI, group 32): half a byte per value + a scale and a zero per 32 values, on both sides: 0.375 of bf16.
-    assert capacity.kv_bytes_per_token("llama-3.1-8b", "int4") / bf16 == 0.375
+    assert planner.kv_bytes_per_token("llama-3.1-8b", "int4") / bf16 == 0.375
 
 
 # --- the planner against the real caches ----------------------------------------------------------------------------
@@ -135,7 +137,7 @@ BATCH, PROMPT, GEN, PREFIX = 3, 45, 5, 33  # 50 tokens: not a multiple of a bloc
 def planner_model(request):
     dtype = request.param
     model = build_model(
-        PLANNER_ARGS, weights="dummy", dtype=capacity.DTYPES[dtype], device=CPU, seed=0, n_positions=PROMPT + GEN
+        PLANNER_ARGS, weights="dummy", dtype=DTYPES[dtype], device=CPU, seed=0, n_positions=PROMPT + GEN
     )
     return dtype, model
 
@@ -191,12 +193,12 @@ def test_planner_predicts_every_strategys_allocation_exactly(planner_model, cach
         measured = measured_allocation(model, dtype, cache=cache, kv_dtype=kv_dtype, options=options, quant=quant)
     except Unsupported:
         with pytest.raises(ConfigError):  # what the strategy refuses, the planner refuses, naming the field
-            capacity.kv_bytes_allocated(
+            planner.kv_bytes_allocated(
                 PLANNER_ARGS, cache=cache, kv_dtype=kv_dtype, batch_size=BATCH, prompt_len=PROMPT, gen_len=GEN,
                 prefix_len=PREFIX, dtype=dtype, **options, **quant,
             )  # fmt: skip
         return
-    predicted = capacity.kv_bytes_allocated(
+    predicted = planner.kv_bytes_allocated(
         PLANNER_ARGS, cache=cache, kv_dtype=kv_dtype, batch_size=BATCH, prompt_len=PROMPT, gen_len=GEN,
         prefix_len=PREFIX, dtype=dtype, **options, **quant,
     )  # fmt: skip
@@ -207,8 +209,8 @@ def test_the_int4_tail_is_in_the_compute_dtype(planner_model):
     dtype, model = planner_model
     measured = measured_allocation(model, dtype, cache="contiguous", kv_dtype="int4", options={}, quant={})
     plain = dict(cache="contiguous", batch_size=BATCH, prompt_len=PROMPT, gen_len=GEN)
-    fp32 = capacity.kv_bytes_allocated(PLANNER_ARGS, kv_dtype="int4", dtype="fp32", **plain)
-    bf16 = capacity.kv_bytes_allocated(PLANNER_ARGS, kv_dtype="int4", dtype="bf16", **plain)
+    fp32 = planner.kv_bytes_allocated(PLANNER_ARGS, kv_dtype="int4", dtype="fp32", **plain)
+    bf16 = planner.kv_bytes_allocated(PLANNER_ARGS, kv_dtype="int4", dtype="bf16", **plain)
     assert measured == (fp32 if dtype == "fp32" else bf16) and fp32 > bf16
 
 
@@ -267,7 +269,7 @@ def test_prefill_activations_match_the_tensors_the_forward_holds(dtype, kv_dtype
     if live is None:
         pytest.skip("needs glibc's mallinfo2")
     batch, max_tokens = 4, prompt_len + gen_len
-    model = build_model(ACTIVATION_ARGS, dtype=capacity.DTYPES[dtype], device=CPU, seed=0, n_positions=max_tokens)
+    model = build_model(ACTIVATION_ARGS, dtype=DTYPES[dtype], device=CPU, seed=0, n_positions=max_tokens)
 
     def spec(kv_dtype: str) -> CacheSpec:
         return CacheSpec.for_model(
@@ -281,22 +283,22 @@ def test_prefill_activations_match_the_tensors_the_forward_holds(dtype, kv_dtype
         with PeakLiveBytes(live) as tracked:
             prefill(model, measured_cache, prompt)
     workload = Workload(
-        ACTIVATION_ARGS, dtype=dtype, kv_dtype=kv_dtype, cache=cache, prompt_len=prompt_len, gen_len=gen_len,
-        concurrency=batch, **options,
+        ACTIVATION_ARGS, dtype=dtype, kv_dtype=kv_dtype, cache={"name": cache, **options}, prompt_len=prompt_len,
+        gen_len=gen_len, batch_size=batch,
     )  # fmt: skip
-    predicted = capacity.prefill_activation_bytes(workload)
+    predicted = activations.prefill_activation_bytes(workload)
     assert abs(predicted - tracked.peak) <= 0.02 * tracked.peak + 2**20, (predicted, tracked.peak)
 
 
 # --- the ledger -----------------------------------------------------------------------------------------------------
 
 
-def plan(memory_gb: float, **fields) -> capacity.Ledger:
-    return capacity.ledger(Workload(**fields), memory_gb=memory_gb, device="cpu", runtime_overhead_bytes=RUNTIME)
+def plan(memory_gb: float, **fields) -> planner.Ledger:
+    return planner.ledger(Workload(**fields), memory_gb=memory_gb, device="cpu", runtime_overhead_bytes=RUNTIME)
 
 
 def total(workload: Workload) -> int:
-    return capacity.total_bytes(workload, runtime_overhead_bytes=RUNTIME)
+    return planner.total_bytes(workload, runtime_overhead_bytes=RUNTIME)
 
 
 @pytest.mark.parametrize(
@@ -305,21 +307,21 @@ def total(workload: Workload) -> int:
         dict(model="small", dtype="fp32", prompt_len=510, gen_len=2),
         dict(model="small", dtype="bf16", kv_dtype="int4", cache="paged", prompt_len=1000, gen_len=24),
         dict(model="small", dtype="bf16", cache="prefix", prefix_len=512, prompt_len=1000, gen_len=24),
-        dict(model="small", dtype="bf16", cache="sliding", window=128, prompt_len=4000, gen_len=96),
+        dict(model="small", dtype="bf16", cache={"name": "sliding", "window": 128}, prompt_len=4000, gen_len=96),
     ],
 )
 def test_max_concurrency_fills_memory_and_one_more_request_would_not(fields):
     book = plan(3.0, **fields)
     workload = Workload(**fields)
     assert book.max_concurrency > 1
-    assert total(workload.replace(concurrency=book.max_concurrency)) <= book.memory_bytes
-    assert total(workload.replace(concurrency=book.max_concurrency + 1)) > book.memory_bytes
+    assert total(workload.replace(batch_size=book.max_concurrency)) <= book.memory_bytes
+    assert total(workload.replace(batch_size=book.max_concurrency + 1)) > book.memory_bytes
 
 
 def test_max_context_fills_memory_and_one_more_token_would_not():
-    book = plan(2.0, model="small", dtype="fp32", prompt_len=510, gen_len=2, concurrency=8)
-    workload = Workload(model="small", dtype="fp32", prompt_len=510, gen_len=2, concurrency=8)
-    assert book.max_context_by == "memory" and 512 < book.max_context < workload.model.max_seq_len
+    book = plan(2.0, model="small", dtype="fp32", prompt_len=510, gen_len=2, batch_size=8)
+    workload = Workload(model="small", dtype="fp32", prompt_len=510, gen_len=2, batch_size=8)
+    assert book.max_context_by == "memory" and 512 < book.max_context < workload.model_args().max_seq_len
     assert total(workload.replace(prompt_len=book.max_context - 2)) <= book.memory_bytes
     assert total(workload.replace(prompt_len=book.max_context - 1)) > book.memory_bytes
 
@@ -330,15 +332,15 @@ def test_max_context_says_when_the_models_positions_bound_it():
 
 
 def test_concurrency_multiplies_the_dynamic_part_and_not_the_static_one():
-    one = plan(64.0, model="small", dtype="bf16", prompt_len=1000, gen_len=24, concurrency=1)
-    eight = plan(64.0, model="small", dtype="bf16", prompt_len=1000, gen_len=24, concurrency=8)
+    one = plan(64.0, model="small", dtype="bf16", prompt_len=1000, gen_len=24, batch_size=1)
+    eight = plan(64.0, model="small", dtype="bf16", prompt_len=1000, gen_len=24, batch_size=8)
     assert eight.kv_bytes == 8 * one.kv_bytes and eight.activation_bytes == 8 * one.activation_bytes
     assert eight.dynamic_bytes == 8 * one.dynamic_bytes and eight.static_bytes == one.static_bytes
     assert eight.kv_bytes_per_request == one.kv_bytes_per_request == one.kv_bytes
 
 
 def test_the_ledger_adds_up():
-    book = plan(4.0, model="small", dtype="bf16", kv_dtype="fp8_e4m3", prompt_len=2000, gen_len=48, concurrency=4)
+    book = plan(4.0, model="small", dtype="bf16", kv_dtype="fp8_e4m3", prompt_len=2000, gen_len=48, batch_size=4)
     assert book.static_bytes == book.weights_bytes + book.buffers_bytes + RUNTIME
     assert book.total_bytes == book.static_bytes + book.kv_bytes + book.activation_bytes
     assert book.free_bytes == 4 * GiB - book.total_bytes and book.fits
@@ -347,21 +349,23 @@ def test_the_ledger_adds_up():
 
 def test_a_fixed_paged_pool_bounds_concurrency_by_its_blocks():
     # 4096 tokens of pool at 528 tokens per request (33 blocks of 16): 7 requests, however much memory is free.
-    book = plan(16.0, model="small", dtype="bf16", cache="paged", pool_tokens=4096, prompt_len=500, gen_len=28)
+    book = plan(
+        16.0, model="small", dtype="bf16", cache={"name": "paged", "pool_tokens": 4096}, prompt_len=500, gen_len=28
+    )
     assert book.max_concurrency == 4096 // 16 // 33
 
 
 def test_prefix_caching_holds_the_shared_prefix_once():
     lengths = dict(kv_dtype="bf16", batch_size=8, prompt_len=1000, gen_len=24, prefix_len=500)
-    paged = capacity.kv_bytes_allocated("small", cache="paged", **lengths)
-    prefix = capacity.kv_bytes_allocated("small", cache="prefix", **lengths)
+    paged = planner.kv_bytes_allocated("small", cache="paged", **lengths)
+    prefix = planner.kv_bytes_allocated("small", cache="prefix", **lengths)
     shared_tokens = 500 // 16 * 16  # whole blocks only
-    assert paged - prefix == 7 * shared_tokens * capacity.kv_bytes_per_token("small", "bf16")
+    assert paged - prefix == 7 * shared_tokens * planner.kv_bytes_per_token("small", "bf16")
 
 
 def test_offload_keeps_its_host_store_out_of_the_device_total():
-    book = capacity.ledger(
-        Workload("small", cache="offload", prompt_len=1000, gen_len=24, concurrency=4),
+    book = planner.ledger(
+        Workload("small", cache="offload", prompt_len=1000, gen_len=24, batch_size=4),
         memory_gb=8,
         device="cuda",
         runtime_overhead_bytes=RUNTIME,
@@ -371,7 +375,7 @@ def test_offload_keeps_its_host_store_out_of_the_device_total():
 
 
 def test_format_ledger_shows_every_term_and_both_limits():
-    text = capacity.format_ledger(plan(4.0, model="small", prompt_len=2000, gen_len=48, concurrency=4))
+    text = planner.format_ledger(plan(4.0, model="small", prompt_len=2000, gen_len=48, batch_size=4))
     for label in ("weights", "runtime overhead", "KV per token", "KV for 4 concurrent", "activations", "total"):
         assert label in text
     assert "max concurrency at 2048 tokens:" in text and "max context at 4 concurrent:" in text
@@ -386,23 +390,26 @@ def test_format_ledger_shows_every_term_and_both_limits():
         (lambda: Workload("gpt-5"), r"^model: unknown preset 'gpt-5'; allowed: "),
         (lambda: Workload("small", prompt_len=0), r"^prompt_len: must be a positive integer, got 0$"),
         (lambda: Workload("small", gen_len=-3), r"^gen_len: must be a positive integer, got -3$"),
-        (lambda: Workload("small", concurrency=0), r"^concurrency: must be a positive integer, got 0$"),
-        (lambda: Workload("small", cache="paged", block_size=0), r"^cache\.block_size: must be a positive"),
+        (lambda: Workload("small", batch_size=0), r"^batch_size: must be a positive integer, got 0$"),
+        (
+            lambda: Workload("small", cache={"name": "paged", "block_size": 0}),
+            r"^cache\.block_size: must be a positive",
+        ),
         (lambda: Workload("small", dtype="fp64"), r"^dtype: unknown value 'fp64'; allowed: fp32, fp16, bf16$"),
         (lambda: Workload("small", prompt_len=8192, gen_len=1), r"^prompt_len \+ gen_len: 8193 exceeds small's"),
         (lambda: Workload("tiny", kv_dtype="int4"), r"^kv_group_size: tiny's head_dim 16 is not a multiple of 32"),
         (lambda: Workload("small", cache="sliding", kv_dtype="int4"), r"^kv_dtype: sliding cannot store int4"),
-        (lambda: capacity.kv_bytes_per_token("small", "fp64"), r"^kv_dtype: unknown value 'fp64'"),
+        (lambda: planner.kv_bytes_per_token("small", "fp64"), r"^kv_dtype: unknown value 'fp64'"),
         (
-            lambda: capacity.ledger(Workload("llama-3.1-8b"), memory_gb=8, device="cuda", runtime_overhead_bytes=0),
+            lambda: planner.ledger(Workload("llama-3.1-8b"), memory_gb=8, device="cuda", runtime_overhead_bytes=0),
             r"^memory_gb: 8\.00 GiB cannot hold llama-3\.1-8b's bf16 weights \(14\.96 GiB\)",
         ),
         (
-            lambda: capacity.ledger(Workload("small"), memory_gb=0, device="cpu", runtime_overhead_bytes=0),
+            lambda: planner.ledger(Workload("small"), memory_gb=0, device="cpu", runtime_overhead_bytes=0),
             r"^memory_gb: must be positive, got 0$",
         ),
         (
-            lambda: capacity.ledger(Workload("small", cache="offload"), memory_gb=8, device="cpu"),
+            lambda: planner.ledger(Workload("small", cache="offload"), memory_gb=8, device="cpu"),
             r"^cache: offload streams K/V from host memory to a CUDA device",
         ),
     ],
@@ -526,6 +533,6 @@ def test_the_planner_is_within_5_percent_of_the_cuda_allocator_peak():
 
     row = run_point(cfg).row
     assert row["status"] == "ok", row.get("error")
-    workload = Workload("llama-3.2-1b", dtype="bf16", prompt_len=1024, gen_len=16, concurrency=8)
-    predicted = capacity.total_bytes(workload, runtime_overhead_bytes=0)  # what the allocator holds
+    workload = Workload("llama-3.2-1b", dtype="bf16", prompt_len=1024, gen_len=16, batch_size=8)
+    predicted = planner.total_bytes(workload, runtime_overhead_bytes=0)  # what the allocator holds
     assert abs(predicted - row["torch_peak_allocated_bytes"]) <= 0.05 * row["torch_peak_allocated_bytes"]

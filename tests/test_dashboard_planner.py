@@ -1,4 +1,4 @@
-"""The dashboard's planner figure (dashboard.data.planner_kv_bytes): the real planner, harness.capacity, for each
+"""The dashboard's planner figure (dashboard.data.planner_kv_bytes): the real planner, harness.plan, for each
 row's workload, held to what the caches allocated in the committed reference rows.
 
 The memory page shows it beside kv_bytes_predicted, the seed notes' formula B × S × bytes per token (no scales, no
@@ -98,7 +98,7 @@ def test_the_planner_plans_each_distinct_workload_of_many_rows_and_keeps_their_o
 
 
 def test_the_dashboards_loaders_import_without_torch():
-    # A fresh interpreter (this one has torch: tests/conftest.py). harness.capacity imports torch, so
+    # A fresh interpreter (this one has torch: tests/conftest.py). harness.plan imports torch, so
     # planner_kv_bytes imports it only when called: every page but the memory page starts without it.
     probe = "import sys, dashboard.data, dashboard.sidebar; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)

@@ -9,18 +9,11 @@ import pytest
 import torch
 
 from harness import kv
+from harness.config import Workload
 from harness.kv.base import CacheSpec
 from harness.model import ModelArgs
-from harness.roofline import (
-    critical_batch,
-    critical_context,
-    decode_step_cost,
-    kv_bytes_per_token_read,
-    mean_decode_cost,
-    prefill_cost,
-    ridge_point,
-    roofline_columns,
-)
+from harness.roofline import decode_step_cost, kv_bytes_per_token_read, mean_decode_cost, prefill_cost
+from harness.roofline_row import critical_batch, critical_context, ridge_point, roofline_columns
 
 BF16 = dict(dtype="bf16", kv_dtype="bf16")
 H100 = dict(peak_bw_gbps=3350.0, peak_tflops=989.0)  # H100 SXM datasheet: 3.35 TB/s HBM3, 989 TFLOP/s dense bf16
@@ -104,7 +97,10 @@ def test_kv_bytes_per_token_are_what_the_real_cache_stores(tiny_args, kv_dtype):
 
 def test_kv_read_stops_growing_past_the_window():
     args = ModelArgs.from_name("llama-3.1-8b")
-    reads = [decode(args, context_len=n, cache="sliding", window=4096).kv_read_bytes for n in (1024, 4096, 16384)]
+    reads = [
+        decode(args, context_len=n, layout=kv.layout("sliding", {"window": 4096})).kv_read_bytes
+        for n in (1024, 4096, 16384)
+    ]
     assert reads[0] < reads[1] == reads[2]
     assert reads[1] == 4096 * kv_bytes_per_token_read(args, "bf16")
 
@@ -126,10 +122,12 @@ def test_attention_flops_count_every_query_head():
 
 def test_none_reads_no_kv_and_its_flops_grow_with_the_context():
     args = ModelArgs.from_name("llama-3.1-8b")
-    short, long = (decode(args, context_len=n, cache="none") for n in (1024, 2048))
+    short, long = (decode(args, context_len=n, layout=kv.layout("none", {})) for n in (1024, 2048))
     assert short.kv_read_bytes == long.kv_read_bytes == short.kv_write_bytes == 0
-    assert long.flops > 2 * short.flops - decode(args, context_len=1, cache="none").flops  # superlinear: O(S²)
-    assert short == prefill_cost(args, batch_size=1, prompt_len=1024, cache="none", **BF16)
+    assert (
+        long.flops > 2 * short.flops - decode(args, context_len=1, layout=kv.layout("none", {})).flops
+    )  # superlinear: O(S²)
+    assert short == prefill_cost(args, batch_size=1, prompt_len=1024, layout=kv.layout("none", {}), **BF16)
     assert short.flops > 500 * decode(args, context_len=1024).flops  # a cache saves ~S times the matmuls
 
 
@@ -142,8 +140,8 @@ def test_quantized_kv_reads_a_fraction_of_bf16_plus_scales(kv_dtype, ratio):
 
 def test_a_prefix_hit_computes_only_the_suffix_but_reads_the_whole_prefix_for_every_sequence():
     args = ModelArgs.from_name("llama-3.1-8b")
-    miss = prefill_cost(args, batch_size=4, prompt_len=1024, cache="prefix", **BF16)
-    hit = prefill_cost(args, batch_size=4, prompt_len=1024, cache="prefix", prefix_cached=768, **BF16)
+    miss = prefill_cost(args, batch_size=4, prompt_len=1024, layout=kv.layout("prefix", {}), **BF16)
+    hit = prefill_cost(args, batch_size=4, prompt_len=1024, layout=kv.layout("prefix", {}), prefix_cached=768, **BF16)
     assert hit.kv_read_bytes == miss.kv_read_bytes == 4 * 1024 * kv_bytes_per_token_read(args, "bf16")
     assert hit.kv_write_bytes == miss.kv_write_bytes / 4
     assert hit.flops < miss.flops / 3
@@ -152,7 +150,10 @@ def test_a_prefix_hit_computes_only_the_suffix_but_reads_the_whole_prefix_for_ev
 def test_a_window_caps_the_keys_each_prefill_query_sees():
     """10 queries: 1 + 2 + ... + 10 = 55 causal pairs, 1 + 2 + 3 + 4·7 = 34 with a window of 4."""
     args = ModelArgs.from_name("tiny")
-    full, windowed = (prefill_cost(args, batch_size=3, prompt_len=10, window=w, **BF16) for w in (None, 4))
+    full, windowed = (
+        prefill_cost(args, batch_size=3, prompt_len=10, layout=kv.layout(*strategy), **BF16)
+        for strategy in (("contiguous", {}), ("sliding", {"window": 4}))
+    )
     per_key = 4 * args.n_layers * args.n_heads * args.head_dim
     assert full.flops - windowed.flops == 3 * (55 - 34) * per_key
 
@@ -191,13 +192,15 @@ def test_beyond_the_critical_context_no_batch_reaches_the_ridge():
 
 def test_a_window_shorter_than_the_critical_context_never_binds():
     args = ModelArgs.from_name("llama-3.1-8b")
-    assert critical_context(args, cache="sliding", window=128, **BF16, **H100) == math.inf
-    assert critical_context(args, cache="none", **BF16, **H100) == math.inf
+    assert critical_context(args, layout=kv.layout("sliding", {"window": 128}), **BF16, **H100) == math.inf
+    assert critical_context(args, layout=kv.layout("none", {}), **BF16, **H100) == math.inf
 
 
 def columns(batch_size: int, **overrides):
     point = dict(batch_size=batch_size, prompt_len=16, gen_len=8, cache="contiguous", tpot_ms=20.0) | BF16 | H100
-    return roofline_columns(ModelArgs.from_name("llama-3.1-8b"), **(point | overrides))
+    point |= overrides
+    measured = {key: point.pop(key) for key in ("tpot_ms", "ttft_ms", "peak_bw_gbps", "peak_tflops") if key in point}
+    return roofline_columns(Workload(model="llama-3.1-8b", **point), **measured)
 
 
 def test_bound_flips_from_memory_to_compute_as_batch_grows_at_short_context():
@@ -244,7 +247,7 @@ def test_a_prefix_row_reports_the_prefill_of_a_hit():
     """prefix_len 100 with 16-token blocks shares 96 tokens: the measured prefill computes the last 32 of 128."""
     args = ModelArgs.from_name("llama-3.1-8b")
     row = columns(4, cache="prefix", prefix_len=100, prompt_len=128)
-    hit = prefill_cost(args, batch_size=4, prompt_len=128, cache="prefix", prefix_cached=96, **BF16)
+    hit = prefill_cost(args, batch_size=4, prompt_len=128, layout=kv.layout("prefix", {}), prefix_cached=96, **BF16)
     assert row["prefill_arithmetic_intensity"] == hit.arithmetic_intensity
 
 

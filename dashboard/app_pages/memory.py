@@ -12,7 +12,7 @@ GiB = 2**30
 
 st.title("Memory ledger")
 rows = page_rows()
-# The real planner's KV bytes for each row's workload (harness.capacity; it imports torch, on this page only).
+# The real planner's KV bytes for each row's workload (harness.plan; it imports torch, on this page only).
 rows = rows.assign(**{PLANNER_COLUMN: data.planner_kv_bytes(rows)})
 
 
@@ -66,6 +66,6 @@ st.dataframe(kv, hide_index=True)
 st.caption(
     "kv_bytes_predicted is the seed notes' analytic formula, 2 × layers × tokens × kv_heads × head_dim × bytes × "
     "batch: no scales, no block rounding, no prefix sharing. kv_bytes_planner is the planner's figure for the row's "
-    "workload (harness.capacity: scales, whole blocks, a window, shared prefix blocks, int4's tail; `none` keeps "
+    "workload (harness.plan: scales, whole blocks, a window, shared prefix blocks, int4's tail; `none` keeps "
     "nothing); it is empty where the planner cannot stand for the row (a model that is not a preset here)."
 )

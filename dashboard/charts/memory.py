@@ -11,7 +11,7 @@ GIB_BYTES = 2**30
 # Not a stored column: the memory page adds the real planner's figure (dashboard.data.planner_kv_bytes) under it.
 PLANNER_COLUMN = "kv_bytes_planner"
 # kv_bytes_predicted is the seed notes' formula B × S × bytes per token (harness/bench.py): no scales, no block
-# rounding, no prefix sharing. The planner (harness.capacity) is what each strategy really allocates.
+# rounding, no prefix sharing. The planner (harness.plan) is what each strategy really allocates.
 ANALYTIC_NAME = "analytic formula (weights + KV)"
 PLANNER_NAME = "planner (weights + KV)"
 

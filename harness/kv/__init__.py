@@ -1,27 +1,65 @@
 """KV-cache strategies: one module each, found by name.
 
-A strategy module defines `Options` (a frozen dataclass of its settings, validated in `__post_init__`) and
-`STRATEGY` (its class, built as `STRATEGY(spec, options)`). Adding one costs that file plus `conf/cache/NAME.yaml`.
+A strategy module defines `Options` (a frozen dataclass of its settings, validated in `__post_init__`), `STRATEGY`
+(its class, built as `STRATEGY(spec, options)`) and `LAYOUT` (a harness.kv.base.Layout: what it allocates, reads and
+cannot run for a workload, asked by the planner, the roofline and the sweep without building it). Adding one costs
+that file plus `conf/cache/NAME.yaml`; a module outside this package (a test's, a plugin's) joins with `register`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import pkgutil
 from types import ModuleType
 from typing import Any
 
-from harness.kv.base import CacheSpec, KVCache
+from harness.kv.base import CacheSpec, KVCache, Layout
+
+__all__ = [
+    "CacheSpec",
+    "KVCache",
+    "Layout",
+    "build",
+    "layout",
+    "option_names",
+    "parse_options",
+    "register",
+    "strategy_names",
+]
 
 _NOT_STRATEGIES = {"base", "host", "quant", "triton_paged"}  # shared code, not strategies
+_REGISTERED: dict[str, ModuleType] = {}  # name -> a strategy module from outside the package (register)
+
+# The strategy a lossy point's accuracy is measured against, at the compute dtype (harness.bench).
+EXACT_REFERENCE = "contiguous"
+
+
+def register(name: str, module: ModuleType) -> None:
+    """Make `module` (with Options, STRATEGY and LAYOUT) the strategy called `name`, beside the package's own."""
+    for attribute in ("Options", "STRATEGY", "LAYOUT"):
+        if not hasattr(module, attribute):
+            raise TypeError(f"strategy {name!r}: module {module.__name__} defines no {attribute}")
+    _REGISTERED[name] = module
+
+
+def unregister(name: str) -> None:
+    _REGISTERED.pop(name, None)
+
+
+@functools.cache
+def _package_names() -> tuple[str, ...]:
+    return tuple(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_STRATEGIES)  # scanned once
 
 
 def strategy_names() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_STRATEGIES)
+    return sorted({*_package_names(), *_REGISTERED})
 
 
 def _module(name: str) -> ModuleType:
+    if name in _REGISTERED:
+        return _REGISTERED[name]
     names = strategy_names()
     if name not in names:
         raise ValueError(f"cache: unknown strategy {name!r}; allowed: {', '.join(names)}")
@@ -40,5 +78,15 @@ def parse_options(name: str, options: dict[str, Any]) -> Any:
     return options_cls(**options)
 
 
+def option_names(name: str) -> tuple[str, ...]:
+    """The strategy's option fields: the row columns (and conf/cache keys) that configure it."""
+    return tuple(f.name for f in dataclasses.fields(_module(name).Options))
+
+
 def build(name: str, spec: CacheSpec, options: dict[str, Any]) -> KVCache:
     return _module(name).STRATEGY(spec, parse_options(name, options))
+
+
+def layout(name: str, options: dict[str, Any]) -> Layout:
+    """The strategy's knowledge of a workload (harness.kv.base.Layout), with these options."""
+    return _module(name).LAYOUT(name, parse_options(name, options))

@@ -15,15 +15,21 @@ Lifecycle, driven by `harness.decode`:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from harness.errors import Unsupported
-from harness.kv.quant import BITS, PLAIN
+from harness.formats import BITS, DTYPE_BYTES, PER_TOKEN_SCALED, SCALE_BYTES
+from harness.formats import PLAIN as PLAIN_NAMES
+from harness.kv.quant import PLAIN
+
+if TYPE_CHECKING:  # harness.config imports this package
+    from harness.config import Workload
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,8 @@ class KVCache(Protocol):
     name: ClassVar[str]
     # True only for the no-cache baseline: the decode loop then feeds the whole sequence at every step.
     recomputes_prefix: ClassVar[bool]
+    attn_backend: str  # the decode attention that runs ("sdpa" unless the strategy has kernels of its own)
+    prefix_hit: bool | None  # a prefix cache: whether the last prefill found its prefix stored; None for any other
 
     def prepare(self, start_pos: int, n_new: int) -> None: ...
 
@@ -98,6 +106,11 @@ class KVCache(Protocol):
     def kv_tail_bytes(self) -> int:
         """Of kv_bytes_allocated, the full-precision tail a format keeps beside its narrow storage (int4's
         residual window and incomplete key group; 0 otherwise)."""
+        ...
+
+    def peak_columns(self) -> dict[str, int]:
+        """Row columns of the strategy's own, read at the peak beside kv_bytes_allocated (offload's kv_bytes_host,
+        prefix caching's kv_bytes_shared); {} for most."""
         ...
 
 
@@ -155,3 +168,162 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int)
 
 def blocks_for(n_tokens: int, block_size: int) -> int:
     return math.ceil(n_tokens / block_size)
+
+
+# --- what a strategy knows about a workload, without building it ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVAllocation:
+    """A strategy's KV storage, by kind: payload, scales, int4's tail; and of it, what sits in host memory."""
+
+    data_bytes: int
+    scale_bytes: int = 0
+    tail_bytes: int = 0
+    host_bytes: int = 0  # offload: the pinned host store (the rest are its two device slots)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.data_bytes + self.scale_bytes + self.tail_bytes
+
+
+class Layout:
+    """A strategy's knowledge of a workload, asked by the planner (harness.plan), the roofline and the sweep's OOM
+    backstop, so that none of them knows a strategy by name. Each harness/kv/<name>.py defines `LAYOUT`, a subclass.
+
+    These defaults are the dense case, `contiguous`: every sequence holds max_tokens rows of K and V, each query
+    reads every key before it, the codecs' transients are those of a buffer read in place. `w` is a
+    harness.config.Workload; token counts are per sequence.
+    """
+
+    # True only for the no-cache baseline: a decode step is a forward over the whole sequence so far.
+    recomputes_prefix: ClassVar[bool] = False
+    # Whether the strategy drops K/V some query would attend to (a sliding window), so accuracy is measured.
+    lossy: ClassVar[bool] = False
+
+    def __init__(self, name: str, options: Any) -> None:
+        self.name, self.options = name, options
+
+    # --- memory ---------------------------------------------------------------------------------------------
+    def allocation(self, w: Workload) -> KVAllocation:
+        """Exactly what the cache's kv_bytes_allocated() reports at the peak of a generation (after its first
+        write, when int4 allocates its tail). Dense: K and V each [L, B, H_kv, S, w]; each scale part
+        [L, B, H_kv, ceil(S / tokens), width] (harness.kv.contiguous)."""
+        args = w.model_args()
+        lead = args.n_layers * w.batch_size * args.n_kv_heads
+        data = lead * 2 * w.max_tokens * data_row_bytes(w)
+        scales = sum(lead * blocks_for(w.max_tokens, tokens) * width * SCALE_BYTES for tokens, width in scale_parts(w))
+        return KVAllocation(data, scale_bytes=scales, tail_bytes=int4_tail_bytes(w))
+
+    def pool_fits(self, w: Workload) -> bool:
+        """Whether a fixed pool holds the batch at its peak; False is KVPoolExhausted (an `oom` row)."""
+        return True
+
+    def transients(self, w: Workload, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
+        """(write peak, read-back peak, read-back result) in bytes, for one layer's attend: what the strategy
+        creates beside the layer's live tensors when it stores n_new tokens per sequence and reads n_keys back."""
+        kv_dim = w.model_args().kv_dim
+        return codec_transients(w, new=n_seqs * n_new * kv_dim, keys=n_seqs * n_keys * kv_dim)
+
+    def step_mask_bytes(self, w: Workload, *, n_new: int, n_keys: int) -> tuple[int, int]:
+        """(held, peak while built) bytes of a mask the strategy builds for a whole forward before the layers and
+        holds through them; (0, 0) when it builds none (a layer's own causal mask is the planner's)."""
+        return 0, 0
+
+    # --- reads -------------------------------------------------------------------------------------------
+    def keys_attended(self, n_keys: float) -> float:
+        """Keys one query reads when n_keys precede it, itself included. math.inf -> the most any query ever
+        reads (inf: no cap)."""
+        return n_keys
+
+    def tokens_written(self, n_new: int) -> float:
+        """Of n_new tokens one forward computes for a sequence, how many the cache stores (a ring: the last ones)."""
+        return n_new
+
+    def causal_pairs(self, first: int, last: int) -> float:
+        """Σ keys_attended(n) for n = first..last: the (query, key) pairs of queries at positions first-1..last-1."""
+        if last < first:
+            return 0
+        if type(self).keys_attended is not Layout.keys_attended:  # a strategy's own rule, summed as it is
+            return sum(self.keys_attended(n) for n in range(first, last + 1))
+        return last * (last + 1) // 2 - (first - 1) * first // 2
+
+    def prefix_tokens(self, w: Workload) -> int:
+        """Leading prompt tokens a prefix hit finds stored, held once for the whole batch (0: no sharing)."""
+        return 0
+
+    # --- rows --------------------------------------------------------------------------------------------
+    def option_columns(self) -> dict[str, Any]:
+        """The options as row columns (harness.store.schema names them: block_size, pool_tokens, window, sinks)."""
+        return dataclasses.asdict(self.options)
+
+    def comparable_columns(self) -> tuple[str, ...]:
+        """Option columns that must match for two points' memory to be compared (the sweep's OOM backstop)."""
+        return tuple(self.option_columns())
+
+    def mixed_batch(self, spec: CacheSpec, lengths: list[int]) -> KVCache:
+        """The cache for a batch of requests of these final lengths, each grown to its own, at its peak
+        (lengths=mixed, harness.fragmentation); Unsupported for a strategy that does not measure allocation waste."""
+        raise Unsupported(f"lengths=mixed measures allocation waste of contiguous and paged only, not {self.name}")
+
+    # --- what it cannot run ------------------------------------------------------------------------------
+    def check(self, w: Workload) -> None:
+        """A ConfigError naming the field, for what the cache raises Unsupported for; the dense default stores any
+        format (int4 groups checked by the config)."""
+
+    def check_device(self, device: str) -> None:
+        """A ConfigError naming the field when the strategy cannot run on `device` ("cpu" or "cuda")."""
+
+
+def data_row_bytes(w: Workload) -> int:
+    """Bytes of one token's K (or V) of one KV head at the storage format's bits: int4 D / 2."""
+    return w.model_args().head_dim * BITS[w.kv_dtype_name] // 8
+
+
+def scale_parts(w: Workload) -> list[tuple[int, int]]:
+    """(tokens per row, width) of each fp32 scale part (harness.kv.quant: TokenFormat.parts, Int4Kivi.parts):
+    fp8/int8 a k_scale and a v_scale of width 1 per token; int4 a scale and a zero of width D per G key tokens, and
+    of width D / G per value token."""
+    kv_dtype, head_dim, group = w.kv_dtype_name, w.model_args().head_dim, w.kv_group_size
+    if kv_dtype in PER_TOKEN_SCALED:
+        return [(1, 1), (1, 1)]
+    if kv_dtype == "int4":
+        return [(group, head_dim), (group, head_dim), (1, head_dim // group), (1, head_dim // group)]
+    return []
+
+
+def int4_tail_bytes(w: Workload) -> int:
+    """int4's full-precision ring, [L, B, H_kv, capacity, D] per side in the compute dtype, allocated on the first
+    write: keys wait for a whole group (residual + G - 1 tokens at most), values for the residual."""
+    if w.kv_dtype_name != "int4":
+        return 0
+    capacity = min(w.kv_residual + w.kv_group_size - 1, w.max_tokens) + min(w.kv_residual, w.max_tokens)
+    args = w.model_args()
+    return args.n_layers * w.batch_size * args.n_kv_heads * capacity * args.head_dim * DTYPE_BYTES[w.dtype]
+
+
+def codec_transients(w: Workload, *, new: int, keys: int, gathered: int = 0) -> tuple[int, int, int]:
+    """(write peak, read-back peak, read-back result) of the format's codec, `new` values written and `keys` read
+    back per side, `gathered` bytes of one side's payload gathered first (a paged read; 0 for a buffer read in place).
+
+    Plain storage at the compute dtype is free (views); a dtype other than the compute dtype is converted on write
+    and on read; fp8/int8 encode through fp32 temporaries (abs, x / scale, clamp, round) and decode to fp32, times
+    the scale, then to the dtype; int4 likewise with its min/max codes and nibble unpacking (an estimate:
+    harness.kv.quant.Int4Kivi).
+    """
+    kv_dtype, b = w.kv_dtype_name, DTYPE_BYTES[w.dtype]
+    converts = b != 4  # the codecs compute in fp32: a non-fp32 input is copied to fp32 first
+    if kv_dtype in PLAIN_NAMES:
+        kv_b = DTYPE_BYTES[kv_dtype]
+        write = new * kv_b if kv_b != b else 0
+        if kv_b == b:
+            return write, 0, 0
+        return write, 2 * keys * b, 2 * keys * b
+    if kv_dtype == "int4":  # codes and fp32 temporaries: ~17 bytes per value written, ~12 per value read
+        write = new * (17 + 4 * converts)
+        read_peak = keys * (b + 12) + 2 * gathered
+        return write, read_peak, 2 * keys * b
+    # fp8 (x/scale, clamp, cast: 9 bytes per value) and int8 (x/scale, round, clamp: 12), fp32 in
+    write = new * ((12 if kv_dtype == "int8" else 9) + 4 * converts)
+    read_peak = keys * (b + 8) + gathered  # the other side decoded (b), this one: fp32 codes and codes·scale
+    return write, read_peak, 2 * keys * b

@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 
 from harness.errors import Unsupported
-from harness.kv.base import CacheSpec, attention, blocks_for, grouped_attention
+from harness.kv.base import CacheSpec, Layout, attention, blocks_for, grouped_attention
 from harness.kv.quant import FP8, storage_format
 
 
@@ -36,6 +36,7 @@ class Options:
 class ContiguousCache:
     name: ClassVar[str] = "contiguous"
     recomputes_prefix: ClassVar[bool] = False
+    prefix_hit: ClassVar[None] = None
 
     def __init__(self, spec: CacheSpec, options: Options) -> None:
         self.spec = spec
@@ -197,5 +198,17 @@ class ContiguousCache:
     def kv_tail_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.format.tensors())
 
+    def peak_columns(self) -> dict[str, int]:
+        return {}
+
+
+class ContiguousLayout(Layout):
+    """The dense default (harness.kv.base.Layout): max_tokens rows per sequence, every key read in place."""
+
+    def mixed_batch(self, spec: CacheSpec, lengths: list[int]) -> ContiguousCache:
+        """Every request reserves the longest it may become (spec.max_tokens), as servers before vLLM did."""
+        return ContiguousCache(spec, self.options)
+
 
 STRATEGY = ContiguousCache
+LAYOUT = ContiguousLayout

@@ -11,9 +11,9 @@ from typing import ClassVar
 
 import torch
 
-from harness.errors import Unsupported
-from harness.kv.base import CacheSpec, attention
-from harness.kv.quant import QUANTIZED
+from harness.errors import ConfigError, Unsupported
+from harness.formats import QUANTIZED
+from harness.kv.base import CacheSpec, KVAllocation, Layout, attention
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,8 @@ class Options:
 class NoCache:
     name: ClassVar[str] = "none"
     recomputes_prefix: ClassVar[bool] = True
+    attn_backend: ClassVar[str] = "sdpa"
+    prefix_hit: ClassVar[None] = None
 
     def __init__(self, spec: CacheSpec, options: Options) -> None:
         if spec.kv_dtype in QUANTIZED or (spec.dtype is not None and spec.kv_dtype != spec.dtype):
@@ -51,5 +53,28 @@ class NoCache:
     def kv_tail_bytes(self) -> int:
         return 0
 
+    def peak_columns(self) -> dict[str, int]:
+        return {}
+
+
+class NoCacheLayout(Layout):
+    """Nothing is kept: no allocation, no read-back transients (the K/V are views of the forward's own), and a decode
+    step is a forward over the whole sequence so far, so its activations and FLOPs grow with the context."""
+
+    recomputes_prefix: ClassVar[bool] = True
+
+    def allocation(self, w) -> KVAllocation:
+        return KVAllocation(0)
+
+    def transients(self, w, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
+        return 0, 0, 0
+
+    def check(self, w) -> None:
+        if w.kv_dtype_name != w.dtype:
+            raise ConfigError(
+                f"kv_dtype: none keeps no K/V, so there is nothing to store as {w.kv_dtype_name}; allowed: auto"
+            )
+
 
 STRATEGY = NoCache
+LAYOUT = NoCacheLayout

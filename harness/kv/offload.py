@@ -20,9 +20,11 @@ from typing import ClassVar
 
 import torch
 
-from harness.errors import Unsupported
+from harness.errors import ConfigError, Unsupported
+from harness.formats import BITS, DTYPE_BYTES, QUANTIZED
+from harness.formats import PLAIN as PLAIN_NAMES
 from harness.kv import host
-from harness.kv.base import CacheSpec, attention
+from harness.kv.base import CacheSpec, KVAllocation, Layout, attention
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,8 @@ class SyncTransfers:
 class OffloadCache:
     name: ClassVar[str] = "offload"
     recomputes_prefix: ClassVar[bool] = False
+    attn_backend: ClassVar[str] = "sdpa"
+    prefix_hit: ClassVar[None] = None
 
     def __init__(self, spec: CacheSpec, options: Options, transfers: CudaTransfers | SyncTransfers | None = None):
         if transfers is None:
@@ -150,5 +154,37 @@ class OffloadCache:
     def kv_tail_bytes(self) -> int:
         return 0
 
+    def peak_columns(self) -> dict[str, int]:
+        return {"kv_bytes_host": self.kv_bytes_host()}  # how much of it sits in host memory
+
+
+class OffloadLayout(Layout):
+    """The host store of every layer, and two device slots; the device slot is read in place."""
+
+    def allocation(self, w) -> KVAllocation:
+        """host [L, S, K|V, B, H_kv, D] + staging [2, S, K|V, B, H_kv, D], plain dtypes only."""
+        args = w.model_args()
+        per_layer = w.max_tokens * 2 * w.batch_size * args.n_kv_heads * args.head_dim * DTYPE_BYTES[w.kv_dtype_name]
+        return KVAllocation(data_bytes=(args.n_layers + 2) * per_layer, host_bytes=args.n_layers * per_layer)
+
+    def transients(self, w, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
+        """torch.stack((k, v)) of the new tokens, at the compute dtype."""
+        return 2 * n_seqs * n_new * w.model_args().kv_dim * DTYPE_BYTES[w.dtype], 0, 0
+
+    def check(self, w) -> None:
+        if w.kv_dtype_name == "int4":
+            raise ConfigError(
+                f"kv_dtype: {self.name} cannot store int4; allowed: {', '.join(k for k in BITS if k != 'int4')}"
+            )
+        if w.kv_dtype_name in QUANTIZED:
+            raise ConfigError(f"kv_dtype: {self.name} stores plain dtypes only; allowed: {', '.join(PLAIN_NAMES)}")
+
+    def check_device(self, device: str) -> None:
+        if device != "cuda":
+            raise ConfigError(
+                f"cache: {self.name} streams K/V from host memory to a CUDA device; allowed here: device=cuda"
+            )
+
 
 STRATEGY = OffloadCache
+LAYOUT = OffloadLayout

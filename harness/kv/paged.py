@@ -24,6 +24,7 @@ kv_group_size tokens, so block_size must divide it or be a multiple of it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -31,9 +32,22 @@ from typing import ClassVar
 
 import torch
 
-from harness.errors import KVPoolExhausted, Unsupported
+from harness.errors import ConfigError, KVPoolExhausted, Unsupported
+from harness.formats import BITS, DTYPE_BYTES, SCALE_BYTES
+from harness.formats import PLAIN as PLAIN_NAMES
 from harness.kv import host
-from harness.kv.base import CacheSpec, attention, blocks_for, grouped_attention
+from harness.kv.base import (
+    CacheSpec,
+    KVAllocation,
+    Layout,
+    attention,
+    blocks_for,
+    codec_transients,
+    data_row_bytes,
+    grouped_attention,
+    int4_tail_bytes,
+    scale_parts,
+)
 from harness.kv.quant import FP8, storage_format
 
 log = logging.getLogger(__name__)
@@ -79,9 +93,25 @@ class Options:
             raise ValueError(f"cache.pool_tokens: must be positive or null, got {self.pool_tokens}")
 
 
+def rows_per_block(block_size: int, tokens_per_row: int) -> int:
+    """A part with a row per `tokens_per_row` positions (int4 key scales: per group) keeps its rows in the blocks of
+    those positions. A group larger than a block keeps its row in the group's first block (the others' row stays
+    unused: honest, if wasteful); any other ratio cannot be addressed by block."""
+    if block_size % tokens_per_row == 0:
+        return block_size // tokens_per_row
+    if tokens_per_row % block_size == 0:
+        return 1
+    divisors = ", ".join(str(d) for d in range(1, tokens_per_row + 1) if tokens_per_row % d == 0)
+    raise Unsupported(
+        f"block_size {block_size} cannot hold whole int4 key groups of kv_group_size={tokens_per_row} "
+        f"tokens; allowed: block_size dividing or a multiple of it ({divisors}, or a multiple of {tokens_per_row})"
+    )
+
+
 class PagedCache:
     name: ClassVar[str] = "paged"
     recomputes_prefix: ClassVar[bool] = False
+    prefix_hit: bool | None = None  # a prefix cache (harness.kv.prefix) sets it at every prefill
 
     def __init__(self, spec: CacheSpec, options: Options) -> None:
         self.spec, self.block_size = spec, options.block_size
@@ -147,18 +177,7 @@ class PagedCache:
         return [self.k_pool, self.v_pool, *self.scales.values(), self.table, *positions]
 
     def _rows_per_block(self, tokens_per_row: int) -> int:
-        """A part with a row per `tokens_per_row` positions (int4 key scales: per group) keeps its rows in the
-        blocks of those positions. A group larger than a block keeps its row in the group's first block (the
-        others' row stays unused: honest, if wasteful); any other ratio cannot be addressed by block."""
-        if self.block_size % tokens_per_row == 0:
-            return self.block_size // tokens_per_row
-        if tokens_per_row % self.block_size == 0:
-            return 1
-        divisors = ", ".join(str(d) for d in range(1, tokens_per_row + 1) if tokens_per_row % d == 0)
-        raise Unsupported(
-            f"block_size {self.block_size} cannot hold whole int4 key groups of kv_group_size={tokens_per_row} "
-            f"tokens; allowed: block_size dividing or a multiple of it ({divisors}, or a multiple of {tokens_per_row})"
-        )
+        return rows_per_block(self.block_size, tokens_per_row)
 
     def ensure_blocks(self, seq: int, n_tokens: int) -> bool:
         """Grow sequence `seq`'s table to cover n_tokens positions; returns whether it took a block."""
@@ -342,6 +361,9 @@ class PagedCache:
     def kv_tail_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.format.tensors())
 
+    def peak_columns(self) -> dict[str, int]:
+        return {}
+
 
 def flashinfer_page_lists(
     tables: list[list[int]], n_tokens: int, block_size: int
@@ -355,4 +377,70 @@ def flashinfer_page_lists(
     return indptr, indices, last_page_len
 
 
+class PagedLayout(Layout):
+    """A pool of blocks: pool_tokens rounded up to blocks, or by default exactly what the point needs at its peak;
+    reads gather whole blocks through the table (the CPU path; a kernel on CUDA reads them in place)."""
+
+    def shared_blocks(self, w) -> int:
+        """Blocks every sequence's table shares, held once (prefix caching); 0 here."""
+        return 0
+
+    def pool_blocks(self, w) -> int:
+        if self.options.pool_tokens is not None:
+            return blocks_for(self.options.pool_tokens, self.options.block_size)
+        return self.blocks_needed(w)
+
+    def blocks_needed(self, w) -> int:
+        """Blocks the batch holds at its peak: ceil(S / bs) per sequence, the shared ones once."""
+        per_sequence = blocks_for(w.max_tokens, self.options.block_size)
+        return w.batch_size * per_sequence - (w.batch_size - 1) * self.shared_blocks(w)
+
+    def allocation(self, w) -> KVAllocation:
+        """K and V pools each [L, N, H_kv, bs, w]; each scale part [L, N, H_kv, rows per block, width]."""
+        args, block_size = w.model_args(), self.options.block_size
+        lead = args.n_layers * self.pool_blocks(w) * args.n_kv_heads
+        data = lead * 2 * block_size * data_row_bytes(w)
+        scales = sum(
+            lead * rows_per_block(block_size, tokens) * width * SCALE_BYTES for tokens, width in scale_parts(w)
+        )
+        return KVAllocation(data, scale_bytes=scales, tail_bytes=int4_tail_bytes(w))
+
+    def pool_fits(self, w) -> bool:
+        return self.blocks_needed(w) <= self.pool_blocks(w)
+
+    def transients(self, w, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
+        """A read gathers each side through the block table, twice (the index, then a reshape), whole blocks."""
+        kv_dim, block_size = w.model_args().kv_dim, self.options.block_size
+        new, keys = n_seqs * n_new * kv_dim, n_seqs * n_keys * kv_dim  # values written and read back per side
+        keys_rounded = n_seqs * blocks_for(n_keys, block_size) * block_size * kv_dim
+        gathered = keys_rounded * BITS[w.kv_dtype_name] // 8  # one side's payload gathered from the pool
+        if w.kv_dtype_name not in PLAIN_NAMES:
+            return codec_transients(w, new=new, keys=keys, gathered=gathered)
+        b, kv_b = DTYPE_BYTES[w.dtype], DTYPE_BYTES[w.kv_dtype_name]
+        write = new * kv_b if kv_b != b else 0
+        result = keys * b if kv_b != b else gathered
+        read_peak = result + 2 * gathered if kv_b == b else result + max(2 * gathered, gathered + keys * b)
+        return write, read_peak, 2 * result
+
+    def check(self, w) -> None:
+        group, block = w.kv_group_size, self.options.block_size
+        if w.kv_dtype_name == "int4" and block % group and group % block:
+            raise ConfigError(
+                f"cache.block_size: {block} cannot hold whole int4 key groups of {group} tokens; allowed: a "
+                f"divisor or a multiple of {group}"
+            )
+
+    def mixed_batch(self, spec: CacheSpec, lengths: list[int]) -> PagedCache:
+        """A pool of exactly the blocks these requests take at their peak, every sequence grown to its length:
+        nothing spare is counted as waste."""
+        block_size = self.options.block_size
+        pool_tokens = sum(blocks_for(length, block_size) for length in lengths) * block_size
+        cache = PagedCache(spec, dataclasses.replace(self.options, pool_tokens=pool_tokens))
+        for seq, length in enumerate(lengths):
+            cache.ensure_blocks(seq, length)
+        assert not cache.free_blocks, "the pool was sized to the blocks in use"
+        return cache
+
+
 STRATEGY = PagedCache
+LAYOUT = PagedLayout

@@ -35,9 +35,9 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from harness.errors import Unsupported
-from harness.kv.base import CacheSpec, blocks_for
-from harness.kv.paged import Options, PagedCache
+from harness.errors import ConfigError, Unsupported
+from harness.kv.base import CacheSpec, Layout, blocks_for
+from harness.kv.paged import Options, PagedCache, PagedLayout
 
 
 def block_hashes(token_ids: np.ndarray, block_size: int) -> tuple[bytes, ...]:
@@ -52,9 +52,15 @@ def block_hashes(token_ids: np.ndarray, block_size: int) -> tuple[bytes, ...]:
     return tuple(hashes)
 
 
-def shared_unit(spec: CacheSpec, block_size: int) -> int:
+def shared_unit(*, block_size: int, kv_dtype: str, kv_group_size: int) -> int:
     """The shared prefix is a multiple of this many tokens: whole blocks, and for int4 whole key groups as well."""
-    return math.lcm(block_size, spec.kv_group_size) if spec.kv_dtype == "int4" else block_size
+    return math.lcm(block_size, kv_group_size) if kv_dtype == "int4" else block_size
+
+
+def shared_tokens(*, prefix_len: int, prompt_len: int, unit: int) -> int:
+    """Leading tokens stored once for the batch: whole units of the prefix, at least one prompt token left to prefill
+    (its logits give the first output token)."""
+    return max(0, min(prefix_len, prompt_len - 1)) // unit * unit
 
 
 class PrefixCache(PagedCache):
@@ -66,7 +72,9 @@ class PrefixCache(PagedCache):
                 f"prefix: int4 keeps each sequence's newest {spec.kv_residual} tokens in a private full-precision "
                 "tail that a later batch cannot reuse; allowed: kv_residual=0"
             )
-        self.shared_unit = shared_unit(spec, options.block_size)
+        self.shared_unit = shared_unit(
+            block_size=options.block_size, kv_dtype=spec.kv_dtype, kv_group_size=spec.kv_group_size
+        )
         if options.pool_tokens is None:
             # What the point needs at its peak: the prefix blocks once, plus each sequence's own blocks after them.
             # Paged would hold the prefix once per sequence; the difference is exactly kv_bytes_shared().
@@ -92,7 +100,7 @@ class PrefixCache(PagedCache):
         """
         self._drop_sequences()  # a new batch (release() has normally done this already)
         # Whole blocks only, and at least one token left to prefill: its logits give the first output token.
-        n_tokens = min(self.spec.prefix_len, prompt.shape[1] - 1) // self.shared_unit * self.shared_unit
+        n_tokens = shared_tokens(prefix_len=self.spec.prefix_len, prompt_len=prompt.shape[1], unit=self.shared_unit)
         self.prefix_hit, self.n_shared_tokens = False, 0
         if n_tokens <= 0:
             return 0
@@ -178,6 +186,9 @@ class PrefixCache(PagedCache):
         """KV bytes the live batch saves by sharing: every sequence but one would otherwise hold the prefix."""
         return int((self.spec.batch_size - 1) * self.n_shared_tokens * self.spec.bytes_per_token)
 
+    def peak_columns(self) -> dict[str, int]:
+        return {"kv_bytes_shared": self.kv_bytes_shared()}  # what sharing the prefix saved
+
     def kv_bytes_live(self) -> int:
         """Distinct tokens stored: each sequence's own, plus every shared block still referenced, once."""
         own = self.spec.batch_size * (self.n_tokens - self.n_shared_tokens)
@@ -185,4 +196,23 @@ class PrefixCache(PagedCache):
         return int((own + shared) * self.spec.bytes_per_token)
 
 
+class PrefixLayout(PagedLayout):
+    """Paged, with the prefix's whole shared units held once for the batch and skipped by a hit's prefill."""
+
+    def prefix_tokens(self, w) -> int:
+        unit = shared_unit(block_size=self.options.block_size, kv_dtype=w.kv_dtype_name, kv_group_size=w.kv_group_size)
+        return shared_tokens(prefix_len=w.prefix_len, prompt_len=w.prompt_len, unit=unit)
+
+    def shared_blocks(self, w) -> int:
+        return self.prefix_tokens(w) // self.options.block_size
+
+    def check(self, w) -> None:
+        super().check(w)
+        if w.kv_dtype_name == "int4" and w.kv_residual > 0 and w.prefix_len > 0:
+            raise ConfigError("kv_residual: prefix caching of int4 needs kv_residual=0 (its tail is private)")
+
+    mixed_batch = Layout.mixed_batch  # allocation waste is measured for contiguous and paged only
+
+
 STRATEGY = PrefixCache
+LAYOUT = PrefixLayout

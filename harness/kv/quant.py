@@ -37,14 +37,14 @@ import torch
 from torch.profiler import record_function
 
 from harness.errors import Unsupported
+from harness.formats import BITS, COMPUTE_DTYPES
 
 if TYPE_CHECKING:  # base imports this module
     from harness.kv.base import CacheSpec
 
-# Bits per stored K or V value, scales excluded: the payload of the seed notes' formula.
-BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8_e4m3": 8, "fp8_e5m2": 8, "int8": 8, "int4": 4}
+# The plain formats (harness.formats.PLAIN) by name -> their torch dtypes; the formats' bits live in harness.formats.
 PLAIN = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-QUANTIZED = tuple(name for name in BITS if name not in PLAIN)
+assert tuple(PLAIN) == COMPUTE_DTYPES
 
 SCALE_DTYPE = torch.float32  # scales and zero points: computed and kept in fp32
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # finfo max: 448, 57344

@@ -29,7 +29,10 @@ from typing import ClassVar
 
 import torch
 
-from harness.kv.base import CacheSpec, attention, grouped_attention
+from harness.errors import ConfigError
+from harness.formats import BITS, DTYPE_BYTES, QUANTIZED, SCALE_BYTES
+from harness.formats import PLAIN as PLAIN_NAMES
+from harness.kv.base import CacheSpec, KVAllocation, Layout, attention, codec_transients, grouped_attention
 from harness.kv.quant import token_codec
 
 
@@ -68,6 +71,8 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, *, window: int, sinks: in
 class SlidingCache:
     name: ClassVar[str] = "sliding"
     recomputes_prefix: ClassVar[bool] = False
+    attn_backend: ClassVar[str] = "sdpa"
+    prefix_hit: ClassVar[None] = None
 
     def __init__(self, spec: CacheSpec, options: Options) -> None:
         self.spec, self.window, self.sinks = spec, options.window, options.sinks
@@ -190,5 +195,77 @@ class SlidingCache:
     def kv_tail_bytes(self) -> int:
         return 0
 
+    def peak_columns(self) -> dict[str, int]:
+        return {}
+
+
+class SlidingLayout(Layout):
+    """min(window, max_tokens) slots per sequence; a query reads at most `window` keys; a prefill past the window
+    attends through a band mask built for the whole forward (SlidingCache._banded_step). Lossy past the window."""
+
+    lossy: ClassVar[bool] = True
+
+    def allocation(self, w) -> KVAllocation:
+        """data [L, K|V, B, H_kv, slots, D] (+ scale [.., slots, 1] for fp8/int8); no int4."""
+        args = w.model_args()
+        slots = min(self.options.window, w.max_tokens)
+        tokens = args.n_layers * 2 * w.batch_size * args.n_kv_heads * slots
+        data = tokens * args.head_dim * BITS[w.kv_dtype_name] // 8
+        return KVAllocation(data, scale_bytes=tokens * SCALE_BYTES if w.kv_dtype_name in QUANTIZED else 0)
+
+    def _banded(self, *, n_new: int, n_keys: int) -> bool:
+        return n_new > 1 and n_keys > self.options.window
+
+    def transients(self, w, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
+        """A ring's write, and its read-back within the window; banded: the held keys and the new ones,
+        concatenated (at the compute dtype)."""
+        kv_dim = w.model_args().kv_dim
+        new = n_seqs * n_new * kv_dim  # values written per side
+        if self._banded(n_new=n_new, n_keys=n_keys):
+            return self._write_bytes(w, new), 0, 2 * new * DTYPE_BYTES[w.dtype]
+        keys = n_seqs * min(n_keys, self.options.window) * kv_dim
+        return codec_transients(w, new=new, keys=keys)
+
+    @staticmethod
+    def _write_bytes(w, new: int) -> int:
+        """A ring's write of `new` values per side: plain at the compute dtype in place, else through its codec."""
+        b, kv_dtype = DTYPE_BYTES[w.dtype], w.kv_dtype_name
+        if kv_dtype in PLAIN_NAMES:
+            return new * DTYPE_BYTES[kv_dtype] if DTYPE_BYTES[kv_dtype] != b else 0
+        return new * ((12 if kv_dtype == "int8" else 9) + 4 * (b != 4))
+
+    def step_mask_bytes(self, w, *, n_new: int, n_keys: int) -> tuple[int, int]:
+        """A prefill past the window builds its [T, T] band before the layers (10 bytes per pair at the peak: a
+        bool, the int64 distances, a bool) and holds it (1 byte per pair) through every phase."""
+        band = n_new * n_keys if self._banded(n_new=n_new, n_keys=n_keys) else 0
+        return band, 10 * band
+
+    def keys_attended(self, n_keys: float) -> float:
+        return min(n_keys, self.options.window)  # sinks included: `window` counts them
+
+    def tokens_written(self, n_new: int) -> float:
+        return min(n_new, self.options.window)  # a ring keeps only the last `window` of a long prompt
+
+    def causal_pairs(self, first: int, last: int) -> float:
+        """Σ min(n, window) for n = first..last, in closed form."""
+        window = self.options.window
+        if last < first:
+            return 0
+
+        def triangle(n: int) -> int:  # 1 + 2 + ... + n
+            return n * (n + 1) // 2
+
+        if last <= window:
+            return triangle(last) - triangle(first - 1)
+        below = max(0, window - first + 1)  # queries that see fewer keys than the window
+        return triangle(first - 1 + below) - triangle(first - 1) + (last - first + 1 - below) * window
+
+    def check(self, w) -> None:
+        if w.kv_dtype_name == "int4":
+            raise ConfigError(
+                f"kv_dtype: {self.name} cannot store int4; allowed: {', '.join(k for k in BITS if k != 'int4')}"
+            )
+
 
 STRATEGY = SlidingCache
+LAYOUT = SlidingLayout
