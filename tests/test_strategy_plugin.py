@@ -167,8 +167,8 @@ def test_the_oom_backstop_compares_its_points_by_its_own_comparable_columns(tmp_
     oom_cfg = point(batch_size=4, keep=32, headroom=8)
     oom = config_columns(oom_cfg) | {"status": "oom", "started_at": "2026-01-01T00:00:00+00:00"}
     assert {"keep", "headroom"} <= set(oom)  # its options are columns of its rows
-    monkeypatch.setattr(sweep.results, "index", lambda _: pd.DataFrame({"status": ["oom"], "path": ["oom.parquet"]}))
-    monkeypatch.setattr(sweep.results, "load", lambda _: pd.DataFrame([oom]))
+    monkeypatch.setattr(sweep.disk, "index", lambda _: pd.DataFrame({"status": ["oom"], "path": ["oom.parquet"]}))
+    monkeypatch.setattr(sweep.disk, "load", lambda _: pd.DataFrame([oom]))
 
     def cause(cfg: RunConfig):
         return sweep.oom_cause(cfg, config_columns(cfg), tmp_path)
