@@ -36,6 +36,8 @@ from experiments.sizing import (
 )
 from harness import crossover
 from harness.errors import exit_on_config_error
+from harness.kv.contiguous import ContiguousCache
+from harness.kv.paged import PagedCache
 from harness.store import disk
 
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -46,6 +48,7 @@ STAGE_COLUMN = "stage"  # the merged rows' column naming the stage that measured
 DECODE_STAGE = "decode"
 BANDWIDTH_TARGET = 0.80  # of the measured copy bandwidth, at batch 1 in bf16
 PAGED_TARGET = 0.05  # paged TPOT at most 5% above contiguous, same workload
+DENSE, PAGED = ContiguousCache.name, PagedCache.name  # the strategies the bandwidth and paged targets name
 LONG_CONTEXT_TOKENS = 8192
 NVML_COLUMNS = ("nvml_timed_samples", "energy_j_per_token", "sm_clock_mhz_min")
 # What makes two rows the same workload, so that they differ only in the strategy or the KV format compared.
@@ -84,10 +87,7 @@ def bandwidth_verdict(rows: pd.DataFrame) -> Verdict:
     target = "bandwidth"
     eager = _eager(rows)
     candidates = eager[
-        eager["cache"].eq("contiguous")
-        & eager["dtype"].eq("bf16")
-        & eager["kv_dtype"].eq("bf16")
-        & eager["batch_size"].eq(1)
+        eager["cache"].eq(DENSE) & eager["dtype"].eq("bf16") & eager["kv_dtype"].eq("bf16") & eager["batch_size"].eq(1)
     ]
     if candidates.empty:
         return Verdict("N/A", target, "no contiguous bf16 batch-1 decode row")
@@ -127,7 +127,7 @@ def paged_verdict(rows: pd.DataFrame) -> Verdict:
     target = "paged-overhead"
     ok = _eager(rows)
     ok = ok[ok["status"].eq("ok") & ok["tpot_ms"].notna()]
-    pairs = _pairs(ok, key=[*WORKLOAD, "kv_dtype"], column="cache", first="paged", second="contiguous")
+    pairs = _pairs(ok, key=[*WORKLOAD, "kv_dtype"], column="cache", first=PAGED, second=DENSE)
     if not pairs:
         return Verdict("N/A", target, "no paged and contiguous rows of the same workload")
     ratios = [(paged["tpot_ms"] / contiguous["tpot_ms"], paged, contiguous) for _, paged, contiguous in pairs]

@@ -32,6 +32,7 @@ import pandas as pd
 import psutil
 import torch
 
+from harness.config import device_type
 from harness.environment import device_name  # the CUDA device's or the CPU's name
 from harness.spec import SPEC_PEAKS_CSV, spec_for, spec_peaks  # noqa: F401 (part of this module's API)
 from harness.store.atomic import atomic_write
@@ -131,9 +132,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
     """The torch device for a config value: auto is cuda when available, else cpu."""
     if isinstance(device, torch.device):
         return device
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    return torch.device(device_type(device))
 
 
 def last_level_cache_bytes(device: torch.device) -> int:

@@ -43,13 +43,16 @@ from harness.bench import cache_spec, config_columns, digest, make_prompts, roof
 from harness.config import DTYPES, RunConfig
 from harness.decode import generate
 from harness.environment import environment_columns
+from harness.kv.contiguous import ContiguousCache
 from harness.model import ModelArgs, Transformer, build_model, weights_bytes
 from harness.probes import MemoryProbe
 from harness.timing import Sample, StepTimer, summarize
 
 log = logging.getLogger(__name__)
 
-STRATEGY = "contiguous"  # the kvbench strategy both of our loops decode through (the `cache` column of their rows)
+STRATEGY = (
+    ContiguousCache.name
+)  # the kvbench strategy both of our loops decode through (the `cache` column of their rows)
 OURS = "kvbench"  # the `loop` column of each loop's rows: which loop made it
 BARE = "kvbench-bare"
 HF_LOOPS = {"hf-dynamic": None, "hf-static": "static"}  # -> generate()'s cache_implementation; None: its default
