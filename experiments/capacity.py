@@ -46,6 +46,10 @@ from harness.plan import ledger as planner
 from harness.plan.runtime import GiB, default_runtime_overhead_bytes
 from harness.store import disk
 
+# An absolute path: a console script (kvbench-decode, ...) calls main() from a wrapper, where Hydra would read a
+# relative config_path as a Python package and find no conf/.
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
 log = logging.getLogger("kvbench")
 
 MODES = ("frontier", "plan")
@@ -269,7 +273,7 @@ def format_frontier(table: pd.DataFrame) -> str:
 # --- the app --------------------------------------------------------------------------------------------------------
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="capacity")
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="capacity")
 def main(cfg: DictConfig) -> None:
     try:
         config = CapacityConfig(**OmegaConf.to_container(cfg, resolve=True))

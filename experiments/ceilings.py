@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import hydra
 import torch
@@ -21,6 +22,10 @@ from omegaconf import DictConfig, OmegaConf
 from harness import ceilings
 from harness.config import DEVICES
 from harness.errors import ConfigError, exit_on_config_error
+
+# An absolute path: a console script (kvbench-decode, ...) calls main() from a wrapper, where Hydra would read a
+# relative config_path as a Python package and find no conf/.
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 log = logging.getLogger("kvbench")
 
@@ -42,7 +47,7 @@ class CeilingsConfig:
 ConfigStore.instance().store(name="ceilings_config", node=CeilingsConfig)
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="ceilings")
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="ceilings")
 @exit_on_config_error
 def main(cfg: DictConfig) -> None:
     config = CeilingsConfig(**OmegaConf.to_container(cfg, resolve=True))

@@ -26,6 +26,10 @@ from harness.errors import ConfigError, exit_on_config_error
 from harness.point_result import PointResult
 from harness.store import disk, summary
 
+# An absolute path: a console script (kvbench-decode, ...) calls main() from a wrapper, where Hydra would read a
+# relative config_path as a Python package and find no conf/.
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
 log = logging.getLogger("kvbench")
 
 ConfigStore.instance().store(name="run_config", node=RunConfig)
@@ -42,7 +46,7 @@ def output_dir() -> Path:
     return Path(hc.sweep.dir if hc.mode.name == "MULTIRUN" else hc.run.dir)
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 @exit_on_config_error  # bad input: one line, nothing built, nothing recorded; the exit stops a sweep there
 def main(cfg: DictConfig) -> dict:
     """Measure (or skip) one point. Returns {status, path, point_id}: what became of it and where its row is (an

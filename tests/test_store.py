@@ -192,13 +192,35 @@ def test_the_ceilings_table_gives_a_skipped_dtype_its_reason_under_the_note_head
 # --------------------------------------------------------------------------------------------------- the commands
 
 
-def test_kvbench_results_is_a_console_script_of_the_store_cli():
+def console_scripts() -> dict[str, str]:
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    module, _, function = scripts["kvbench-results"].partition(":")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+def test_kvbench_results_is_a_console_script_of_the_store_cli():
+    module, _, function = console_scripts()["kvbench-results"].partition(":")
 
     assert (module, function) == ("harness.store.cli", "main")
     assert callable(getattr(import_module(module), function))
+
+
+def test_every_entry_point_is_a_console_script_whose_target_exists():
+    scripts = console_scripts()
+    modules = {target.partition(":")[0] for target in scripts.values()}
+    entry_points = {f"experiments.{path.stem}" for path in (ROOT / "experiments").glob("*.py")}
+    entry_points -= {"experiments.__init__", "experiments.callbacks", "experiments.sizing"}  # a callback, a model
+    assert entry_points <= modules
+    for target in scripts.values():
+        module, _, function = target.partition(":")
+        assert callable(getattr(import_module(module), function)), target
+
+
+def test_a_hydra_console_script_finds_its_configs_when_called_as_a_function():
+    """What the console script's wrapper does: import the module and call main() with the arguments in sys.argv."""
+    code = "import sys; from experiments.decode import main; sys.argv = ['kvbench-decode', '--cfg', 'job']; main()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "batch_size:" in proc.stdout and "cache:" in proc.stdout
 
 
 def test_python_dash_m_harness_store_is_the_same_command():
