@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from harness import probes
+from harness import nvml
 from harness.store.schema import SCHEMA_VERSION
 
 
@@ -93,15 +93,15 @@ def kvbench_version() -> str | None:
 
 @functools.cache
 def nvidia_driver_version() -> str | None:
-    """The NVIDIA driver's version through NVML (probes.load_nvml), or None without it: cached, since the driver
+    """The NVIDIA driver's version through NVML (nvml.load_nvml), or None without it: cached, since the driver
     cannot change under a running process."""
     try:
-        nvml = probes.load_nvml()  # the seam where tests hand in a fake pynvml
-        nvml.nvmlInit()
+        pynvml = nvml.load_nvml()  # the seam where tests hand in a fake pynvml
+        pynvml.nvmlInit()
         try:
-            version = nvml.nvmlSystemGetDriverVersion()
+            version = pynvml.nvmlSystemGetDriverVersion()
         finally:
-            nvml.nvmlShutdown()
+            pynvml.nvmlShutdown()
     except Exception:  # no NVML library, no driver access: the column stays null
         return None
     return version.decode() if isinstance(version, bytes) else version

@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import kv, probes
+from harness import kv
 from harness.config import RunConfig
 from harness.decode import generate
 from harness.kv.base import CacheSpec
 from harness.model import build_model
+from harness.nvml import device_handle, load_nvml
 from harness.runner import run_point
 from harness.timing import StepTimer
 from tests.greedy import LOGIT_TOL, assert_same_greedy_tokens, greedy_with_logits
@@ -65,10 +66,10 @@ def test_a_cuda_point_records_energy_clocks_and_throttle_reasons():
     assert row["status"] == "ok", row.get("error")
     assert row["nvml_error"] is None
     assert row["nvml_timed_samples"] > 0
-    nvml = probes.load_nvml()
+    nvml = load_nvml()
     nvml.nvmlInit()
     try:  # the GPU torch runs on, found as the probe finds it; its boost clock bounds the SM clock from above
-        handle = probes.device_handle(nvml, torch.cuda.get_device_properties(CUDA))
+        handle = device_handle(nvml, torch.cuda.get_device_properties(CUDA))
         assert nvml.nvmlDeviceGetUUID(handle).removeprefix("GPU-") == str(torch.cuda.get_device_properties(CUDA).uuid)
         max_sm_mhz = nvml.nvmlDeviceGetMaxClockInfo(handle, nvml.NVML_CLOCK_SM)
     finally:

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import torch
 
-from harness import bench, ceilings, environment, probes
+from harness import bench, ceilings, environment, nvml
 from harness.config import RunConfig
 from harness.store import cli, diff, disk
 
@@ -120,11 +120,11 @@ def test_diff_refuses_an_ambiguous_prefix_and_prefers_an_exact_id(tmp_path, capl
     assert cli.main(["diff", str(tmp_path), "abc", "abcd"]) == 0
 
 
-def test_the_driver_version_comes_through_the_probes_nvml_seam(monkeypatch):
+def test_the_driver_version_comes_through_the_nvml_seam(monkeypatch):
     fake = types.SimpleNamespace(
         nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlSystemGetDriverVersion=lambda: b"550.54.15"
     )
-    monkeypatch.setattr(probes, "load_nvml", lambda: fake)
+    monkeypatch.setattr(nvml, "load_nvml", lambda: fake)
     environment.nvidia_driver_version.cache_clear()
     try:
         assert environment.nvidia_driver_version() == "550.54.15"
