@@ -62,7 +62,7 @@ OPS = ("kvbench::paged_decode",)
 # On the lowercased CPU op name or CUDA kernel name; the first match wins. Sampling comes before the reductions
 # (argmax runs as a reduce_kernel on CUDA), attention before GEMM (fmha_cutlass*, flash kernels built on CUTLASS),
 # GEMM before elementwise (CUTLASS epilogues name elementwise functors). cuBLAS on Hopper names its kernels nvjet_*.
-# Triton names a kernel after its function: harness.kv.triton_paged's are _paged_decode_kernel and
+# Triton names a kernel after its function: harness.kv.triton_kernels' are _paged_decode_kernel and
 # _merge_splits_kernel, inside the op kvbench::paged_decode.
 NAME_RULES = (
     ("sampling", re.compile(r"argmax|argmin|topk|multinomial|sort")),

@@ -188,10 +188,10 @@ def cuda_spec(args, *, kv_dtype: str, dtype: str | None) -> CacheSpec:
 def test_flashinfer_is_chosen_only_for_queries_of_the_pages_dtype_and_never_in_a_compiled_step(
     tiny_args, monkeypatch, kv_dtype, dtype, static, expected
 ):
-    from harness.kv import paged, triton_paged
+    from harness.kv import paged, triton_kernels
 
-    if triton_paged.UNAVAILABLE is not None:
-        pytest.skip(triton_paged.UNAVAILABLE)
+    if triton_kernels.UNAVAILABLE is not None:
+        pytest.skip(triton_kernels.UNAVAILABLE)
     monkeypatch.setattr(paged, "flashinfer_installed", lambda: True)
     assert paged.decode_backend(cuda_spec(tiny_args, kv_dtype=kv_dtype, dtype=dtype), static=static) == expected
 

@@ -101,7 +101,7 @@ def test_classify_maps_cpu_ops_by_name(op_name, category):
         ("void at::native::reduce_kernel<512, 1, ReduceOp<float, MeanOps<float>>>", "norm_elementwise"),
         ("void at::native::reduce_kernel<512, 1, ReduceOp<float, ArgMaxOps<float>>>", "sampling"),
         ("Memset (Device)", "other"),
-        ("_paged_decode_kernel", "attention"),  # harness.kv.triton_paged's kernels, as Triton names them
+        ("_paged_decode_kernel", "attention"),  # harness.kv.triton_kernels' kernels, as Triton names them
         ("_merge_splits_kernel", "attention"),
     ],
 )
@@ -214,7 +214,7 @@ def _event(id, name, *, parent=None, is_user_annotation=False, self_us=10):
 
 
 def test_the_decode_kernels_on_cuda_are_attention_time():
-    """harness.kv.triton_paged's kernels, launched by its custom op (a CPU op, not a label), inside a decode step."""
+    """harness.kv.triton_kernels' kernels, launched by the custom op (a CPU op, not a label), inside a decode step."""
     step = _event(1, "kvbench::decode_step", is_user_annotation=True)
     op = _event(2, "kvbench::paged_decode", parent=step)
     kernels = [
@@ -268,9 +268,11 @@ def test_the_decode_kernels_flops_count_as_attention():
 
 def test_a_profiled_decode_through_the_kernel_counts_its_time_and_flops_as_attention(tiny_model, tiny_args):
     """The contiguous cache's int8 decode through the kernel (CUDA's path; here in Triton's interpreter)."""
-    triton_paged = pytest.importorskip("harness.kv.triton_paged")
-    if not triton_paged.available() or not triton_paged.INTERPRETED:
-        pytest.skip(triton_paged.UNAVAILABLE or "the kernels were not built for Triton's interpreter")
+    triton_kernels = pytest.importorskip("harness.kv.triton_kernels")
+    if not triton_kernels.available() or not triton_kernels.INTERPRETED:
+        pytest.skip(triton_kernels.UNAVAILABLE or "the kernels were not built for Triton's interpreter")
+    from harness.kv import triton_paged
+
     cache = build_cache(tiny_args, "int8")
     cache.fused_dequant = True  # what CUDA decides (kernel_unsupported is None there)
     columns, top_ops = profile_decode(tiny_model, cache, make_prompt(tiny_args), n_steps=N_STEPS, device=CPU)

@@ -1,6 +1,7 @@
-"""The paged decode kernel (harness.kv.triton_paged): its torch reference against attention over the gathered K/V, and
-the Triton kernel against both, on random block tables, ragged lengths, GQA groups 1/4/8, head_dim 64/128, and every
-storage format the kernel reads (plain, int8, fp8 with their per-token scales).
+"""The paged decode kernels (harness.kv.triton_kernels, launched through harness.kv.triton_paged's op): their torch
+reference against attention over the gathered K/V, and the Triton kernels against both, on random block tables,
+ragged lengths, GQA groups 1/4/8, head_dim 64/128, and every storage format the kernels read (plain, int8, fp8 with
+their per-token scales).
 
 Without a GPU the kernel runs in Triton's interpreter on CPU tensors: TRITON_INTERPRET=1 must be set when triton is
 first imported (triton.language's own helpers are built then), when the kernel module is imported, and while it runs.
@@ -33,27 +34,27 @@ CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 
 
-def _import_kernel_module():
+def _import_kernel_modules():
     if CUDA:
-        from harness.kv import triton_paged
+        from harness.kv import triton_kernels, triton_paged
 
-        return triton_paged
+        return triton_kernels, triton_paged
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        from harness.kv import triton_paged
+        from harness.kv import triton_kernels, triton_paged
 
-        if not triton_paged.INTERPRETED:  # imported earlier in this session (harness.kv does): decorate again
-            triton_paged = importlib.reload(triton_paged)
+        if not triton_kernels.INTERPRETED:  # imported earlier in this session (harness.kv does): decorate again
+            triton_kernels = importlib.reload(triton_kernels)  # triton_paged looks the kernels up there at each call
     finally:
         if saved is None:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = saved
-    return triton_paged
+    return triton_kernels, triton_paged
 
 
-triton_paged = _import_kernel_module()
+triton_kernels, triton_paged = _import_kernel_modules()
 
 
 @pytest.fixture(autouse=True)
@@ -62,10 +63,10 @@ def _interpreter(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-needs_triton = pytest.mark.skipif(not triton_paged.available(), reason=triton_paged.UNAVAILABLE or "")
+needs_triton = pytest.mark.skipif(not triton_kernels.available(), reason=triton_kernels.UNAVAILABLE or "")
 needs_kernel_here = pytest.mark.skipif(
-    not CUDA and not triton_paged.INTERPRETED,
-    reason="harness.kv.triton_paged was imported before TRITON_INTERPRET=1 was set: run this module on its own",
+    not CUDA and not triton_kernels.INTERPRETED,
+    reason="harness.kv.triton_kernels was imported before TRITON_INTERPRET=1 was set: run this module on its own",
 )
 
 # Storage formats and how far the kernel may sit from attention over the dequantized K/V, relative to the output's
@@ -236,8 +237,8 @@ class _NotLaunched:
 def test_under_fake_tensor_mode_paged_decode_returns_a_fake_output_and_launches_nothing(monkeypatch, n_splits):
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    monkeypatch.setattr(triton_paged, "_paged_decode_kernel", _NotLaunched(), raising=False)
-    monkeypatch.setattr(triton_paged, "_merge_splits_kernel", _NotLaunched(), raising=False)
+    monkeypatch.setattr(triton_kernels, "_paged_decode_kernel", _NotLaunched(), raising=False)
+    monkeypatch.setattr(triton_kernels, "_merge_splits_kernel", _NotLaunched(), raising=False)
     inputs = small_case()
     with FakeTensorMode() as mode:
         fake = {name: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for name, t in inputs.items()}
@@ -277,8 +278,8 @@ import sys
 sys.modules["triton"] = None  # import triton raises ImportError
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from harness.kv import triton_paged
-assert not triton_paged.available()
+from harness.kv import triton_kernels, triton_paged
+assert not triton_kernels.available()
 args = (torch.zeros(2, 4, 16), torch.zeros(3, 2, 8, 16), torch.zeros(3, 2, 8, 16), torch.zeros(2, 1, dtype=torch.long),
         torch.ones(2, dtype=torch.int32))
 with FakeTensorMode(allow_non_fake_inputs=True):
