@@ -261,7 +261,7 @@ def _planner_kv_bytes(workloads: tuple[tuple, ...]) -> list[int | None]:
 
     from harness import kv
     from harness.errors import ConfigError
-    from harness.model import PRESETS, ModelArgs
+    from harness.model_args import PRESETS, ModelArgs
     from harness.plan import ledger
 
     figures: list[int | None] = []

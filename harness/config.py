@@ -22,7 +22,7 @@ import torch
 from harness import kv
 from harness.errors import ConfigError
 from harness.formats import COMPILE_MODES, COMPUTE_DTYPES, KV_DTYPES, KV_GROUP_SIZES
-from harness.model import PRESETS, SUPPORTED_MODEL_TYPES, ModelArgs, load_args
+from harness.model_args import PRESETS, SUPPORTED_MODEL_TYPES, ModelArgs, load_args
 
 # Compute dtypes by name (harness.formats holds their sizes, and the KV storage formats).
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -79,7 +79,7 @@ def device_type(device: str) -> str:
 
 @dataclass
 class ModelConfig:
-    name: str = "small"  # a preset of harness.model.PRESETS; a local checkpoint in `weights` overrides its shapes
+    name: str = "small"  # a preset of harness.model_args.PRESETS; a local checkpoint in `weights` overrides its shapes
     # Resize the preset's KV heads: 1 = MQA, n_heads = MHA, between = GQA (dummy weights only). None: as the preset.
     n_kv_heads: int | None = None
 
@@ -285,7 +285,7 @@ class RunConfig(Workload):
         return torch.device(device_type(self.device))
 
     def _preset_args(self, preset: str) -> ModelArgs:
-        """A measured point loads its weights: the checkpoint must hold them (harness.model.load_args)."""
+        """A measured point loads its weights: the checkpoint must hold them (harness.model_args.load_args)."""
         return load_args(self.weights, preset)
 
     def point_id(self) -> str:

@@ -6,17 +6,15 @@ benchmark of memory and speed needs the shapes, not the knowledge) or a local Hu
 safetensors and mapped into a fused layout (one q|k|v matmul, one gate|up matmul).
 
 Conventions follow Hugging Face's `modeling_llama.py` so its checkpoints load without permutation: rotate_half
-RoPE, RMSNorm computed in fp32 and cast back before the weight multiplies.
+RoPE, RMSNorm computed in fp32 and cast back before the weight multiplies. The shapes it builds (ModelArgs, the
+presets, a checkpoint's config.json) are described in `harness.model_args`, which does not import torch.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn as nn
@@ -24,190 +22,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from harness.kv.base import KVCache
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-@dataclass
-class ModelArgs:
-    """Shapes and constants of one model. The defaults are Llama-2-7B's, as in gpt-fast."""
-
-    name: str
-    vocab_size: int = 32000
-    dim: int = 4096  # hidden size
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int | None = None  # None -> n_heads (multi-head attention); fewer -> GQA (Ainslie et al. 2023)
-    head_dim: int | None = None  # None -> dim // n_heads; Llama-3.2 and Mistral state it explicitly
-    intermediate_size: int = 11008  # SwiGLU hidden width
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0  # RoPE base (Su et al. 2021)
-    # Llama-3 frequency scaling: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"}; None -> plain RoPE.
-    rope_scaling: dict | None = None
-    max_seq_len: int = 4096  # the most positions the model supports
-    qkv_bias: bool = False  # Qwen2 adds biases to the q, k, v projections (Qwen2 technical report, 2.1)
-    tie_embeddings: bool = False  # lm_head shares the token embedding matrix
-
-    def __post_init__(self) -> None:
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        if self.head_dim is None:
-            self.head_dim = self.dim // self.n_heads
-        if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(f"model: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
-        if self.head_dim % 2 != 0:
-            raise ValueError(f"model: head_dim {self.head_dim} must be even for RoPE")
-        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") != "llama3":
-            raise ValueError(
-                f"model: rope_scaling type {self.rope_scaling.get('rope_type')!r} is not supported; allowed: llama3"
-            )
-
-    @property
-    def q_dim(self) -> int:
-        return self.n_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.n_kv_heads * self.head_dim
-
-    @property
-    def n_params(self) -> int:
-        """Parameters of the built model, counted analytically (a tied lm_head counts once)."""
-        qkv_out = self.q_dim + 2 * self.kv_dim
-        attention = self.dim * qkv_out + (qkv_out if self.qkv_bias else 0) + self.q_dim * self.dim
-        feed_forward = 3 * self.dim * self.intermediate_size  # gate, up, down
-        norms = 2 * self.dim
-        embeddings = self.vocab_size * self.dim
-        lm_head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return embeddings + self.n_layers * (attention + feed_forward + norms) + self.dim + lm_head
-
-    @classmethod
-    def from_name(cls, name: str) -> ModelArgs:
-        if name not in PRESETS:
-            raise ValueError(f"model: unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
-        return cls(name=name, **copy.deepcopy(PRESETS[name]))  # no instance shares the preset's rope dict
-
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any], name: str) -> ModelArgs:
-        """From a Hugging Face `config.json` of a llama, mistral or qwen2 model.
-
-        Reads both layouts: `rope_theta` + `rope_scaling` (transformers 4.x, the files on the Hub) and
-        `rope_parameters` (transformers 5.x, which folds rope_theta in).
-        """
-        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-        rope_theta = rope.pop("rope_theta", None) or config.get("rope_theta", 10000.0)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type == "default":
-            rope_scaling = None
-        elif rope_type == "llama3":
-            rope_scaling = {**rope, "rope_type": "llama3"}
-        else:
-            raise ValueError(f"weights: rope_type {rope_type!r} is not supported; allowed: default, llama3")
-        max_seq_len = config["max_position_embeddings"]
-        # Mistral v0.1 (and Qwen2 with use_sliding_window) attend over a window. Within the window that is full
-        # causal attention, so capping the supported positions keeps this model exact without a window mask.
-        uses_window = config.get("model_type") != "qwen2" or config.get("use_sliding_window", False)
-        if uses_window and config.get("sliding_window"):
-            max_seq_len = min(max_seq_len, config["sliding_window"])
-        return cls(
-            name=name,
-            vocab_size=config["vocab_size"],
-            dim=config["hidden_size"],
-            n_layers=config["num_hidden_layers"],
-            n_heads=config["num_attention_heads"],
-            n_kv_heads=config.get("num_key_value_heads"),
-            head_dim=config.get("head_dim"),
-            intermediate_size=config["intermediate_size"],
-            norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling,
-            max_seq_len=max_seq_len,
-            qkv_bias=config.get("model_type") == "qwen2",
-            tie_embeddings=config.get("tie_word_embeddings", False),
-        )
-
-
-# Deltas from the ModelArgs defaults. Real shapes come from each model's Hugging Face config.json.
-PRESETS: dict[str, dict[str, Any]] = {
-    # meta-llama/Llama-3.1-8B config.json: 8,030,261,248 parameters.
-    "llama-3.1-8b": dict(
-        vocab_size=128256,
-        n_kv_heads=8,
-        intermediate_size=14336,
-        rope_theta=500000.0,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
-        max_seq_len=131072,
-    ),
-    # meta-llama/Llama-3.2-1B config.json: 1,235,814,400 parameters, lm_head tied to the embeddings.
-    "llama-3.2-1b": dict(
-        vocab_size=128256,
-        dim=2048,
-        n_layers=16,
-        n_kv_heads=8,
-        head_dim=64,
-        intermediate_size=8192,
-        rope_theta=500000.0,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=32.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
-        max_seq_len=131072,
-        tie_embeddings=True,
-    ),
-    # meta-llama/Llama-2-7b-hf config.json (the defaults): 6,738,415,616 parameters, multi-head attention.
-    "llama-2-7b": dict(),
-    # mistralai/Mistral-7B-v0.3 config.json: 7,248,023,552 parameters; sliding_window null since v0.2.
-    "mistral-7b": dict(
-        vocab_size=32768,
-        n_kv_heads=8,
-        intermediate_size=14336,
-        rope_theta=1000000.0,
-        max_seq_len=32768,
-    ),
-    # Qwen/Qwen2.5-7B-Instruct config.json: 7,615,616,512 parameters. (The base model's config says 131072
-    # positions; 32768 is the native context both were trained at, longer needs YaRN.)
-    "qwen2.5-7b": dict(
-        vocab_size=152064,
-        dim=3584,
-        n_layers=28,
-        n_heads=28,
-        n_kv_heads=4,
-        intermediate_size=18944,
-        norm_eps=1e-6,
-        rope_theta=1000000.0,
-        max_seq_len=32768,
-        qkv_bias=True,
-    ),
-    # ~201M parameters: big enough that decode is memory-bound on a CPU, small enough to sweep there.
-    "small": dict(
-        dim=1024,
-        n_layers=12,
-        n_heads=16,
-        n_kv_heads=4,
-        intermediate_size=2816,
-        max_seq_len=8192,
-    ),
-    # ~0.1M parameters: for tests.
-    "tiny": dict(
-        vocab_size=256,
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        intermediate_size=128,
-        max_seq_len=8192,
-    ),
-}
+from harness.model_args import ModelArgs
 
 
 class RMSNorm(nn.Module):
@@ -474,30 +289,6 @@ def build_model(
     model.setup_rope(n_positions)
     # Inference only: no autograd bookkeeping even if a caller forgets torch.inference_mode.
     return model.eval().requires_grad_(False)
-
-
-def load_args(weights: str, preset: str) -> ModelArgs:
-    """The model's ModelArgs without reading a tensor: the preset for "dummy", else the checkpoint's config.json.
-
-    For a checkpoint the preset is ignored and the model is named after its directory.
-    """
-    if weights == "dummy":
-        return ModelArgs.from_name(preset)
-    directory = Path(weights)
-    if not directory.is_dir():
-        raise ValueError(f"weights: {weights!r} is neither 'dummy' nor an existing directory")
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"weights: {weights!r} has no config.json (expected a Hugging Face checkpoint)")
-    if not any(directory.glob("*.safetensors")):
-        raise ValueError(f"weights: {weights!r} has no *.safetensors files (pickled .bin checkpoints are not read)")
-    config = json.loads(config_path.read_text())
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"weights: {weights!r} has model_type {model_type!r}; allowed: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    return ModelArgs.from_hf_config(config, name=directory.resolve().name)
 
 
 def weights_bytes(model: nn.Module) -> int:

@@ -76,7 +76,7 @@ from harness.formats import BITS, PLAIN, SCALE_BYTES
 from harness.kv.base import Layout
 
 if TYPE_CHECKING:
-    from harness.model import ModelArgs
+    from harness.model_args import ModelArgs
 
 # What a strategy without its own answer reads: every key before the query, from a cache (harness.kv.base.Layout).
 DENSE = Layout("dense", options=None)

@@ -18,7 +18,7 @@ from harness.roofline import DENSE, StepCost, decode_step_cost, mean_decode_cost
 
 if TYPE_CHECKING:
     from harness.config import Workload
-    from harness.model import ModelArgs
+    from harness.model_args import ModelArgs
 
 
 def ridge_point(*, peak_bw_gbps: float, peak_tflops: float) -> float:

@@ -44,7 +44,8 @@ from harness.config import DTYPES, RunConfig
 from harness.decode import generate
 from harness.environment import environment_columns
 from harness.kv.contiguous import ContiguousCache
-from harness.model import ModelArgs, Transformer, build_model, weights_bytes
+from harness.model import Transformer, build_model, weights_bytes
+from harness.model_args import ModelArgs
 from harness.probes import MemoryProbe
 from harness.timing import Sample, StepTimer, summarize
 

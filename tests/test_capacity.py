@@ -22,7 +22,8 @@ from harness.errors import ConfigError, Unsupported
 from harness.kv.base import CacheSpec
 from harness.kv.offload import OffloadCache, SyncTransfers
 from harness.kv.offload import Options as OffloadOptions
-from harness.model import ModelArgs, build_model
+from harness.model import build_model
+from harness.model_args import ModelArgs
 from harness.plan import activations
 from harness.plan import ledger as planner
 from harness.plan.runtime import GiB

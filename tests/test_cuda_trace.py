@@ -30,7 +30,8 @@ from harness.decode import COMPILE_MODES, compile_decode_step, decode_step, gene
 from harness.errors import Unsupported
 from harness.kv.base import CacheSpec
 from harness.kv.quant import BITS
-from harness.model import ModelArgs, Transformer
+from harness.model import Transformer
+from harness.model_args import ModelArgs
 from harness.plan import ledger
 from harness.timing import Sample
 from tests.graphs import recording_backend

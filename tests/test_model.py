@@ -1,9 +1,11 @@
-"""harness/model.py: the decoder matches Hugging Face's, presets have the real models' sizes, and bad input fails
-with one line naming the field."""
+"""harness/model.py and harness/model_args.py: the decoder matches Hugging Face's, presets have the real models'
+sizes, the description imports without torch, and bad input fails with one line naming the field."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,11 +15,13 @@ from harness.kv.base import CacheSpec
 from harness.kv.contiguous import ContiguousCache
 from harness.kv.contiguous import Options as ContiguousOptions
 from harness.kv.none import NoCache, Options
-from harness.model import PRESETS, ModelArgs, Transformer, build_model, load_args, weights_bytes
+from harness.model import Transformer, build_model, weights_bytes
+from harness.model_args import PRESETS, ModelArgs, load_args
 
 transformers = pytest.importorskip("transformers")
 
 CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[1]
 BATCH_SIZE, PROMPT_LEN = 2, 20
 
 # A small HF config shared by the oracles: GQA (4 query heads per 2 K/V heads), 2 layers.
@@ -226,6 +230,14 @@ def test_unknown_preset_is_a_one_line_error_naming_model() -> None:
     with pytest.raises(ValueError, match=r"^model: unknown preset 'gpt-5'; allowed: .*tiny") as error:
         ModelArgs.from_name("gpt-5")
     assert "\n" not in str(error.value)
+
+
+def test_the_model_description_imports_without_torch() -> None:
+    # A fresh interpreter: this one has torch already (tests/conftest.py). A model's shapes, presets and config.json
+    # are plain data; reading them should not cost torch's seconds of start-up.
+    probe = "import sys, harness.model_args; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def write_checkpoint_dir(directory: Path, *, config: dict | None, safetensors: bool) -> Path:

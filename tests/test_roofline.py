@@ -11,7 +11,7 @@ import torch
 from harness import kv
 from harness.config import Workload
 from harness.kv.base import CacheSpec
-from harness.model import ModelArgs
+from harness.model_args import ModelArgs
 from harness.roofline import decode_step_cost, kv_bytes_per_token_read, mean_decode_cost, prefill_cost
 from harness.roofline_row import critical_batch, critical_context, ridge_point, roofline_columns
 

@@ -22,7 +22,8 @@ from harness.decode import generate
 from harness.errors import ConfigError, Unsupported
 from harness.formats import DTYPE_BYTES, PLAIN, QUANTIZED
 from harness.kv.base import CacheSpec, KVAllocation, Layout, grouped_attention
-from harness.model import ModelArgs, build_model
+from harness.model import build_model
+from harness.model_args import ModelArgs
 from harness.plan import ledger as planner
 from harness.roofline import decode_step_cost, kv_bytes_per_token_read
 from harness.roofline_row import roofline_columns

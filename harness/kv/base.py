@@ -50,7 +50,7 @@ class CacheSpec:
 
     @classmethod
     def for_model(cls, args, *, batch_size: int, max_tokens: int, kv_dtype: str, device: torch.device, **quant):
-        """From a harness.model.ModelArgs (any object with n_layers, n_kv_heads, head_dim)."""
+        """From a harness.model_args.ModelArgs (any object with n_layers, n_kv_heads, head_dim)."""
         return cls(
             n_layers=args.n_layers,
             n_kv_heads=args.n_kv_heads,

@@ -36,7 +36,7 @@ from pathlib import Path
 from harness.config import Workload, check_choice, device_type, resolve_model
 from harness.errors import ConfigError
 from harness.formats import BITS, DTYPE_BYTES, PER_TOKEN_SCALED, SCALE_BYTES
-from harness.model import ModelArgs
+from harness.model_args import ModelArgs
 from harness.plan.activations import activation_bytes
 from harness.plan.runtime import GiB, default_runtime_overhead_bytes, detected_memory_bytes
 

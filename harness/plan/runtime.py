@@ -18,7 +18,7 @@ import torch
 
 from harness.config import DTYPES
 from harness.errors import ConfigError
-from harness.model import ModelArgs
+from harness.model_args import ModelArgs
 
 if TYPE_CHECKING:
     from harness.config import Workload
