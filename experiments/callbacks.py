@@ -19,8 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from harness import crossover
 from harness.config import RunConfig
 from harness.errors import ConfigError, exit_on_config_error
+from harness.run.sweep import SKIPPED
 from harness.store import disk, summary
-from harness.sweep import SKIPPED
 
 log = logging.getLogger("kvbench")
 

@@ -6,7 +6,7 @@
         concurrency=32 memory_gb=141                   # how many concurrent requests fit in my GPU?
 
 frontier: for each context length (prompt_len + gen_len tokens per sequence), the largest batch that runs under
-`max_memory_gb`, found with real OOMs: each probe is a point measured by harness.runner.run_point in its own
+`max_memory_gb`, found with real OOMs: each probe is a point measured by harness.run.runner.run_point in its own
 spawned process, capped by RLIMIT_DATA on the CPU (the allocator's fraction on CUDA). The search starts at the
 planner's prediction, gallops up or down to bracket the frontier, then bisects until the bracket is one
 `bisection step` wide (1 batch, or `resolution` of it). Each row puts the measured frontier beside the predicted
@@ -39,11 +39,11 @@ import pandas as pd
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from harness import runner
 from harness.config import RunConfig, Workload, device_type
 from harness.errors import ConfigError
 from harness.plan import ledger as planner
 from harness.plan.runtime import GiB, default_runtime_overhead_bytes
+from harness.run import runner
 from harness.store import disk
 
 # An absolute path: a console script (kvbench-decode, ...) calls main() from a wrapper, where Hydra would read a

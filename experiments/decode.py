@@ -20,10 +20,10 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from harness import runner, sweep
 from harness.config import RunConfig
 from harness.errors import ConfigError, exit_on_config_error
-from harness.point_result import PointResult
+from harness.run import runner, sweep
+from harness.run.point_result import PointResult
 from harness.store import disk, summary
 
 # An absolute path: a console script (kvbench-decode, ...) calls main() from a wrapper, where Hydra would read a

@@ -22,10 +22,10 @@ from omegaconf import OmegaConf
 import experiments.decode  # noqa: F401  (registers the run_config schema that conf/config.yaml extends)
 from experiments.callbacks import sweep_jobs
 from harness import kv, roofline
-from harness.bench import is_lossy
 from harness.config import RunConfig
 from harness.plan.ledger import total_bytes, weights_bytes
 from harness.plan.runtime import CUDA_RUNTIME_DEFAULT_BYTES
+from harness.run.bench import is_lossy
 from harness.spec import spec_for
 
 ROOT = Path(__file__).parents[1]
@@ -96,7 +96,7 @@ def step_seconds(cost: roofline.StepCost, *, gpu: Gpu, dtype: str, n_layers: int
 def generation_seconds(cfg: RunConfig, *, gpu: Gpu) -> float:
     """One whole generation of the point: its prefill, then its gen_len - 1 decode steps (harness.decode)."""
     args = cfg.model_args()
-    # The strategy's own reads (its layout: a window caps them, `none` recomputes), as harness.bench asks them.
+    # The strategy's own reads (its layout: a window caps them, `none` recomputes), as harness.run.bench asks them.
     shape = dict(dtype=cfg.dtype, kv_dtype=cfg.kv_dtype_name, layout=cfg.layout(), kv_group_size=cfg.kv_group_size)
     costs = [roofline.prefill_cost(args, batch_size=cfg.batch_size, prompt_len=cfg.prompt_len, **shape)]
     costs += [
@@ -107,7 +107,7 @@ def generation_seconds(cfg: RunConfig, *, gpu: Gpu) -> float:
 
 
 def point_seconds(cfg: RunConfig, *, gpu: Gpu) -> float:
-    """Upper bound on one point's wall time in a warm worker (harness.bench.run_point, harness.timing.measure).
+    """Upper bound on one point's wall time in a warm worker (harness.run.bench.run_point, harness.timing.measure).
 
     warm-up generations, then at least min_repeats and at most max_repeats, the budget max_time_s checked after
     each one past min_repeats (so one generation may overrun it); the accuracy pass of a lossy point; the profiler

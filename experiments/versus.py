@@ -4,7 +4,7 @@
     python -m experiments.versus --batch 1 --dtype bf16 --rounds 9
     python -m experiments.versus --quick                        # tiny model, 4 tokens, 2 rounds: a smoke test in seconds
 
-For each case (dtype x batch) it times four loops in rounds of A B C D after one warm-up each (harness/versus.py):
+For each case (dtype x batch) it times four loops in rounds of A B C D after one warm-up each (harness/run/versus.py):
 ours with the harness's probes, transformers with its dynamic and its static cache, and ours bare. Every loop's row
 goes to <results_dir>/bench-<time>/ (sweep_id = that folder's name); the table comes last. Inputs are checked before
 anything heavy runs: bad input stops with one line naming the field and what it allows.
@@ -23,11 +23,11 @@ from typing import NamedTuple
 
 import pandas as pd
 
-from harness import runner, versus, versus_table
-from harness.bench import config_columns
 from harness.config import DEVICES, DTYPES, RunConfig
 from harness.environment import environment_columns
 from harness.errors import ConfigError, exit_on_config_error
+from harness.run import runner, versus, versus_table
+from harness.run.bench import config_columns
 from harness.store import disk
 
 log = logging.getLogger("kvbench")

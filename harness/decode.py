@@ -8,7 +8,7 @@ Every step then runs at the same shapes: the token and its position are device t
 that is a Python int would be a new constant, so a recompile, at every step), and the cache attends over its whole
 preallocated buffer under a length mask. With mode="reduce-overhead" the compiled step is captured once in a CUDA
 graph and replayed, which removes the per-kernel launch cost that dominates a small model's step. Compilation (and
-the graph's recording) happens in the first calls, inside the warm-up generations (harness.bench makes sure they run
+the graph's recording) happens in the first calls, inside the warm-up generations (harness.run.bench makes sure they run
 enough steps), never in a timed one. Prefill stays eager: it runs once per generation, at a shape of its own.
 """
 
@@ -106,7 +106,7 @@ def compile_decode_step(model: torch.nn.Module, cache: KVCache, *, mode: str, ba
 
     Every tensor the step mutates must be a static input, its own tensor and marked static (the cache's
     `static_tensors`, the token and position buffers): CUDA graph trees skip the graph for a mutated input that is
-    not, and say so only in `torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]` (harness.bench records it).
+    not, and say so only in `torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]` (harness.run.bench records it).
 
     backend: a torch.compile backend other than inductor, for tests that trace the step where inductor cannot
     generate code (fake CUDA tensors, tests/test_cuda_trace.py); `mode` then still decides the step's protocol."""

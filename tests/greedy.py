@@ -20,10 +20,10 @@ import dataclasses
 import torch
 
 from harness import kv
-from harness.bench import cache_spec, make_prompts
 from harness.config import DTYPES, RunConfig
 from harness.decode import generate
 from harness.model import build_model
+from harness.run.bench import cache_spec, make_prompts
 from harness.timing import StepTimer
 
 # How far two computations' logits may sit apart, by the format the K/V are stored in; absolute, for logits of at most

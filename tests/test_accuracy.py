@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from harness import accuracy, kv
-from harness.bench import run_point
 from harness.config import RunConfig
 from harness.decode import generate
 from harness.kv.base import CacheSpec
+from harness.run.bench import run_point
 from harness.timing import StepTimer
 
 CPU = torch.device("cpu")

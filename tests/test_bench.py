@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from harness.bench import run_point
 from harness.config import RunConfig
-from harness.runner import ensure_ceilings
+from harness.run.bench import run_point
+from harness.run.runner import ensure_ceilings
 from harness.store.schema import COLUMNS
 
 FAST = dict(warmup=0, min_repeats=1, max_repeats=1, isolate=False)

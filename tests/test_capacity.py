@@ -144,7 +144,7 @@ def planner_model(request):
 
 
 def measured_allocation(model, dtype: str, *, cache: str, kv_dtype: str, options: dict, quant: dict) -> int:
-    """Build the real cache as harness.bench does, generate (int4 allocates its tail on the first write), and read
+    """Build the real cache as harness.run.bench does, generate (int4 allocates its tail on the first write), and read
     kv_bytes_allocated at the peak."""
     spec = CacheSpec.for_model(
         PLANNER_ARGS,
@@ -530,7 +530,7 @@ def test_the_planner_is_within_5_percent_of_the_cuda_allocator_peak():
         max_repeats=1,
         accuracy=False,
     )
-    from harness.runner import run_point
+    from harness.run.runner import run_point
 
     row = run_point(cfg).row
     assert row["status"] == "ok", row.get("error")

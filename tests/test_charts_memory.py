@@ -11,7 +11,7 @@ from tests.charts_rows import GIB, frame, point, trace, trace_names
 
 
 def ledger_rows(**oom) -> pd.DataFrame:
-    # A failed point records only its config (harness.runner.failure_row): no weights, KV or peak figures.
+    # A failed point records only its config (harness.run.runner.failure_row): no weights, KV or peak figures.
     unknown = dict.fromkeys(["weights_bytes", "kv_bytes_allocated", "kv_bytes_predicted", "peak_mem_bytes"])
     return frame(
         point(prompt_len=992, batch_size=4),  # 1024 × 4: after 96 × 8 on the axis
@@ -31,7 +31,7 @@ def test_memory_ledger_stacks_weights_kv_and_other_in_gib_sorted_by_context_time
 
 
 def test_memory_ledger_marks_the_analytic_formulas_weights_plus_kv_under_that_name():
-    # kv_bytes_predicted is B × S × bytes per token (harness/bench.py), not the planner: it says so in the legend.
+    # kv_bytes_predicted is B × S × bytes per token (harness/run/bench.py), not the planner: it says so in the legend.
     predicted = trace(memory_ledger(ledger_rows()), "analytic formula (weights + KV)")
     assert list(predicted.y[:2]) == [2.5, 2.5]
     assert not [name for name in trace_names(memory_ledger(ledger_rows())) if "planner" in name]  # none given

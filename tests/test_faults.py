@@ -19,8 +19,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness import runner
 from harness.config import RunConfig
+from harness.run import runner
 from harness.store import disk, maintain
 from tests.test_sweep import ROOT, TINY, broken_checkpoint, kvbench
 

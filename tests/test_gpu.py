@@ -15,7 +15,7 @@ from harness.decode import generate
 from harness.kv.base import CacheSpec
 from harness.model import build_model
 from harness.nvml import device_handle, load_nvml
-from harness.runner import run_point
+from harness.run.runner import run_point
 from harness.timing import StepTimer
 from tests.greedy import LOGIT_TOL, assert_same_greedy_tokens, greedy_with_logits
 

@@ -13,8 +13,9 @@ import pandas as pd
 import pytest
 import torch
 
-from harness import bench, ceilings, environment, nvml
+from harness import ceilings, environment, nvml
 from harness.config import RunConfig
+from harness.run import bench
 from harness.store import cli, diff, disk
 
 

@@ -209,8 +209,8 @@ def test_prefix_options_are_paged_options_validated_by_name():
 
 
 def test_a_prefix_point_records_the_hit_the_miss_and_the_bytes_shared():
-    from harness.bench import run_point
     from harness.config import RunConfig
+    from harness.run.bench import run_point
 
     row = run_point(
         RunConfig(

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from harness import probes, runner
+from harness import probes
 from harness.config import RunConfig
 from harness.nvml import NvmlSampler
 from harness.probes import MemoryProbe
+from harness.run import runner
 from harness.timing import RepeatPolicy, Sample, measure
 
 CUDA0 = torch.device("cuda", 0)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from harness import bench, runner
 from harness.config import RunConfig
-from harness.point_result import PointResult
+from harness.run import bench, runner
+from harness.run.point_result import PointResult
 from harness.store.schema import COLUMNS
 
 POINT = dict(model={"name": "tiny"}, device="cpu", dtype="fp32", prompt_len=8, gen_len=4, warmup=0, min_repeats=1,

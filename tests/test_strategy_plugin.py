@@ -15,8 +15,7 @@ import pandas as pd
 import pytest
 import torch
 
-from harness import kv, sweep
-from harness.bench import config_columns
+from harness import kv
 from harness.config import RunConfig, Workload
 from harness.decode import generate
 from harness.errors import ConfigError, Unsupported
@@ -27,6 +26,8 @@ from harness.model_args import ModelArgs
 from harness.plan import ledger as planner
 from harness.roofline import decode_step_cost, kv_bytes_per_token_read
 from harness.roofline_row import roofline_columns
+from harness.run import sweep
+from harness.run.bench import config_columns
 from harness.timing import StepTimer
 
 NAME = "lastk"

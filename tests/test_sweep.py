@@ -165,7 +165,7 @@ def test_killing_the_sweep_kills_its_measuring_child():
     import psutil
 
     script = (
-        "from harness.config import RunConfig; from harness.runner import run_point; "
+        "from harness.config import RunConfig; from harness.run.runner import run_point; "
         "run_point(RunConfig(model={'name': 'small'}, dtype='fp32', prompt_len=512, gen_len=64, min_repeats=20))"
     )
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)

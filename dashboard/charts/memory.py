@@ -10,7 +10,7 @@ from dashboard.charts.common import LOG2_DTICK, colour, labels, message_figure, 
 GIB_BYTES = 2**30
 # Not a stored column: the memory page adds the real planner's figure (dashboard.data.planner_kv_bytes) under it.
 PLANNER_COLUMN = "kv_bytes_planner"
-# kv_bytes_predicted is the seed notes' formula B × S × bytes per token (harness/bench.py): no scales, no block
+# kv_bytes_predicted is the seed notes' formula B × S × bytes per token (harness/run/bench.py): no scales, no block
 # rounding, no prefix sharing. The planner (harness.plan) is what each strategy really allocates.
 ANALYTIC_NAME = "analytic formula (weights + KV)"
 PLANNER_NAME = "planner (weights + KV)"

@@ -10,7 +10,7 @@ from dashboard.charts.common import require
 STATUS_COLOURS = {
     "ok": "#2ca02c",
     "oom": "#d62728",
-    "skipped_oom": "#f4a6a6",  # not run: the OOM backstop (harness/sweep.py) judged it past an OOM
+    "skipped_oom": "#f4a6a6",  # not run: the OOM backstop (harness/run/sweep.py) judged it past an OOM
     "error": "#7f7f7f",
     "unsupported": "#ff7f0e",
 }

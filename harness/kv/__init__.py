@@ -32,7 +32,7 @@ __all__ = [
 _NOT_STRATEGIES = {"base", "host", "quant", "triton_kernels", "triton_paged"}  # shared code, not strategies
 _REGISTERED: dict[str, ModuleType] = {}  # name -> a strategy module from outside the package (register)
 
-# The strategy a lossy point's accuracy is measured against, at the compute dtype (harness.bench).
+# The strategy a lossy point's accuracy is measured against, at the compute dtype (harness.run.bench).
 EXACT_REFERENCE = "contiguous"
 
 

@@ -27,9 +27,9 @@ GiB = 2**30
 # CUDA context plus cuBLAS/cuDNN workspaces when no device is here to measure them: an assumption, not a figure
 # measured here (the context alone is some hundreds of MiB, more without CUDA's lazy module loading).
 CUDA_RUNTIME_DEFAULT_BYTES = 1 * GiB
-# The module a measuring child runs (harness.runner spawns it): the child below imports it by name, so it pays the
+# The module a measuring child runs (harness.run.runner spawns it): the child below imports it by name, so it pays the
 # same imports without the planner importing the run layer above it.
-MEASURING_CHILD_MODULE = "harness.runner"
+MEASURING_CHILD_MODULE = "harness.run.runner"
 
 
 def _child_runtime_bytes(sender, dtype: str, dim: int, ffn: int) -> None:
@@ -72,7 +72,7 @@ def measured_cpu_runtime_bytes(dtype: str = "fp32", dim: int = 64, ffn: int = 25
     """VmData of a freshly spawned child after the harness's imports, a tiny generation and a dim x ffn GEMM at
     `dtype`: the CPU runtime overhead, for a model of that width.
 
-    Spawned from this process, as harness.runner spawns its measuring children, so it pays the same imports (the
+    Spawned from this process, as harness.run.runner spawns its measuring children, so it pays the same imports (the
     parent's __main__ module included) under the same environment (MALLOC_* variables). Once per process and shape;
     a few seconds.
     """

@@ -1,6 +1,6 @@
 """The side-by-side's table (`make bench`): the formulas it prints, the targets it holds each case to, its verdicts.
 
-Rows come from harness.versus (one per loop and case, told apart by their `runner` and `loop` columns); the tables
+Rows come from harness.run.versus (one per loop and case, told apart by their `runner` and `loop` columns); the tables
 are DataFrames of text cells, printed with to_string(index=False).
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.versus import BARE, HF_LOOPS, OURS
+from harness.run.versus import BARE, HF_LOOPS, OURS
 
 # The targets of the issue ("a decode loop at the roofline, proven side by side against transformers").
 TARGET_BW_FRACTION = 0.75  # of the measured copy bandwidth, at batch 1 where decode is a stream of the weights

@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-from harness import bench, ceilings, environment, probes
+from harness import ceilings, environment, probes
 from harness.config import RunConfig
 from harness.errors import Unsupported
-from harness.point_result import PointResult
+from harness.run import bench
+from harness.run.point_result import PointResult
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from harness.environment import environment_columns
 from harness.errors import Unsupported
 from harness.kv.base import CacheSpec
 from harness.model import build_model, weights_bytes
-from harness.point_result import PointResult
 from harness.probes import MemoryProbe
+from harness.run.point_result import PointResult
 from harness.timing import RepeatPolicy, StepTimer, measure, summarize
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ row's output_digest says whether they did at this point.
 The loops of one case (each row's `loop` column; `runner` says whose loop it is, `cache` the kvbench strategy it
 decodes through, null for transformers' own caches), each a closure that runs one whole greedy generation and
 returns (tokens [B, gen_len], Sample):
-    kvbench           harness.decode.generate over the contiguous cache, timed as harness.bench.run_point times it:
+    kvbench           harness.decode.generate over the contiguous cache, timed as harness.run.bench.run_point times it:
                       StepTimer marks after the prefill and after every step, a MemoryProbe around the generation
                       (its NVML sampler thread runs on CUDA)
     hf-dynamic        transformers' generate() with its default cache (DynamicCache: torch.cat per step)
@@ -24,7 +24,7 @@ step's latency exactly as our Sample holds them. Greedy, no EOS (eos_token_id No
 Interleaving: one warm-up generation of each loop, then `rounds` rounds of A B C D. A drift (clocks, heat, a
 neighbour's load on a shared host) then hits every loop alike instead of whichever happened to run during it. The
 figures are medians over the rounds (harness.timing.summarize), the same statistics as every kvbench row; the table that
-compares them is harness/versus_table.py.
+compares them is harness/run/versus_table.py.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from harness import kv
-from harness.bench import cache_spec, config_columns, digest, make_prompts, roofline_columns
 from harness.config import DTYPES, RunConfig
 from harness.decode import generate
 from harness.environment import environment_columns
@@ -47,6 +46,7 @@ from harness.kv.contiguous import ContiguousCache
 from harness.model import Transformer, build_model, weights_bytes
 from harness.model_args import ModelArgs
 from harness.probes import MemoryProbe
+from harness.run.bench import cache_spec, config_columns, digest, make_prompts, roofline_columns
 from harness.timing import Sample, StepTimer, summarize
 
 log = logging.getLogger(__name__)
