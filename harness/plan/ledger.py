@@ -304,32 +304,6 @@ def _max_context(workload: Workload, *, memory_bytes: int, runtime_overhead_byte
     return prompt_len + workload.gen_len, "model" if prompt_len == last else "memory"
 
 
-def max_concurrency(
-    workload: Workload,
-    *,
-    memory_gb: float | None = None,
-    device: str = "auto",
-    runtime_overhead_bytes: int | None = None,
-) -> int:
-    """The most concurrent requests of workload's length whose total fits: ledger(...).max_concurrency."""
-    return ledger(
-        workload, memory_gb=memory_gb, device=device, runtime_overhead_bytes=runtime_overhead_bytes
-    ).max_concurrency
-
-
-def max_context(
-    workload: Workload,
-    *,
-    memory_gb: float | None = None,
-    device: str = "auto",
-    runtime_overhead_bytes: int | None = None,
-) -> int:
-    """The longest prompt_len + gen_len that fits at workload's batch: ledger(...).max_context."""
-    return ledger(
-        workload, memory_gb=memory_gb, device=device, runtime_overhead_bytes=runtime_overhead_bytes
-    ).max_context
-
-
 def format_ledger(book: Ledger) -> str:
     """The ledger as a table a person reads: bytes and GiB per line, static then dynamic, then the limits."""
     w = book.workload
