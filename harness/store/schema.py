@@ -19,7 +19,30 @@ PROFILE_CATEGORIES = ("attention", "gemm", "norm_elementwise", "kv", "sampling",
 # Bump when a column changes meaning or type. Adding a column needs no bump: older files load with it null.
 # 2: energy_j_per_token and mean_power_w cover the measured generations only (1: warm-up included); clocks and
 # throttle reasons sampled inside that window (sm_clock_mhz_min/max, ...) replace the *_start/*_end reads.
-SCHEMA_VERSION = 2
+# 3: peak_bw_gbps is the roof the roofline used (bw_roof: the streaming-read bandwidth for decode), no longer always
+# the copy bandwidth; bw_util and predicted_tpot_ms follow it.
+SCHEMA_VERSION = 3
+
+# What a row ran, apart from how its KV was kept: rows equal on these compare strategies and formats like with like
+# (the dashboard's views, `kvbench-results compare`). A view never takes a median across different workloads.
+WORKLOAD_COLUMNS = (
+    "model",
+    "weights",
+    "device",
+    "dtype",
+    "batch_size",
+    "prompt_len",
+    "gen_len",
+    "prefix_len",
+    "lengths",
+    "compile",
+    "runner",
+    "loop",
+)
+# How a row kept its KV: the strategy, the storage format and their options (null where a strategy has none).
+KV_COLUMNS = ("cache", "kv_dtype", "block_size", "pool_tokens", "window", "sinks", "kv_group_size", "kv_residual")
+# Two rows measure the same thing when every one of these is equal: what `kvbench-results compare` pairs by.
+POINT_KEY_COLUMNS = WORKLOAD_COLUMNS + KV_COLUMNS
 
 _ARROW_TYPES = {
     "string": pa.string(),
@@ -140,6 +163,41 @@ COLUMNS: tuple[Column, ...] = (
     ),
     Column("prefix_hit", "bool", "", "Prefix caching: the measured prefills found the prefix cached; null otherwise"),
     Column("repeats", "int64", "", "Measured repeats, warm-up excluded"),
+    # Convergence and host noise: whether the figures above can be trusted (harness/timing.py, harness/host_noise.py)
+    Column(
+        "tpot_samples_ms",
+        "list<float64>",
+        "ms",
+        "Each measured repeat's TPOT, in order (the retry's alone when the point was retried)",
+    ),
+    Column("ttft_samples_ms", "list<float64>", "ms", "Each measured repeat's TTFT, in order, as tpot_samples_ms"),
+    Column(
+        "tpot_rse",
+        "float64",
+        "",
+        "Relative standard error of the median TPOT, by bootstrap over the repeats (sd of resampled medians / median)",
+    ),
+    Column("converged", "bool", "", "tpot_rse fell below target_rse before max_repeats or max_time_s stopped it"),
+    Column("stop_reason", "string", "", "What ended the repeats: target (converged), max_repeats or max_time_s"),
+    Column(
+        "retries",
+        "int64",
+        "",
+        "Measurements repeated because the first did not converge (retry_noisy: once, with twice the budget)",
+    ),
+    Column(
+        "host_steal_frac",
+        "float64",
+        "",
+        "CPU time the hypervisor stole during the measured repeats, share of all CPU time (/proc/stat); null if unread",
+    ),
+    Column(
+        "host_other_cpu_frac",
+        "float64",
+        "",
+        "CPU time other processes used during the measured repeats, share of all cores' time (psutil)",
+    ),
+    Column("host_busy", "bool", "", "Steal or other processes took a noticeable share of the host while measuring"),
     # Memory
     Column("weights_bytes", "int64", "bytes", "Model parameters, at their stored dtype"),
     Column("kv_bytes_allocated", "int64", "bytes", "KV storage the cache holds, used or not (buffers, whole blocks)"),
@@ -226,7 +284,7 @@ COLUMNS: tuple[Column, ...] = (
         "TFLOP/s",
         "prefill_flops / ttft_ms (TTFT also holds the first token's sampling, so this slightly understates it)",
     ),
-    Column("bw_util", "float64", "", "achieved_bw_gbps / peak_bw_gbps (over 1 means a bug)"),
+    Column("bw_util", "float64", "", "achieved_bw_gbps / peak_bw_gbps (over 1: ceilings_stale, or a bug in the model)"),
     Column("flops_util", "float64", "", "achieved_tflops / peak_tflops"),
     Column(
         "bound",
@@ -240,7 +298,26 @@ COLUMNS: tuple[Column, ...] = (
         "ms",
         "Predicted (analytic) TPOT: max(flops_per_step / peak FLOP/s, bytes_per_step / peak bandwidth)",
     ),
-    Column("peak_bw_gbps", "float64", "GB/s", "This device's measured copy bandwidth (read + write), GB = 1e9"),
+    Column(
+        "peak_bw_gbps",
+        "float64",
+        "GB/s",
+        "The memory roof the roofline used, measured on this device (bw_roof says which), GB = 1e9",
+    ),
+    Column(
+        "bw_roof",
+        "string",
+        "",
+        "Which bandwidth peak_bw_gbps is: read (a streaming read, what a decode step does) or copy (read + write)",
+    ),
+    Column("peak_read_bw_gbps", "float64", "GB/s", "This device's measured streaming-read bandwidth (bytes read)"),
+    Column("peak_copy_bw_gbps", "float64", "GB/s", "This device's measured copy bandwidth (bytes read + written)"),
+    Column(
+        "ceilings_stale",
+        "bool",
+        "",
+        "bw_util or flops_util is over 1: the row beat its ceilings, so they are stale (re-measure them) or wrong",
+    ),
     Column("peak_tflops", "float64", "TFLOP/s", "This device's measured dense matmul throughput in the compute dtype"),
     Column(
         "critical_batch",
