@@ -21,8 +21,9 @@ from omegaconf import OmegaConf
 
 import experiments.decode  # noqa: F401  (registers the run_config schema that conf/config.yaml extends)
 from experiments.callbacks import sweep_jobs
-from harness import kv, roofline
+from harness import roofline
 from harness.config import RunConfig
+from harness.formats import EXACT_REFERENCE
 from harness.plan.ledger import total_bytes, weights_bytes
 from harness.plan.runtime import CUDA_RUNTIME_DEFAULT_BYTES
 from harness.run.bench import is_lossy
@@ -139,7 +140,7 @@ def point_bytes(cfg: RunConfig) -> int:
     workload = cfg.workload()  # the planner's view of the point
     need = total_bytes(workload, runtime_overhead_bytes=CUDA_RUNTIME_DEFAULT_BYTES)
     if cfg.accuracy and is_lossy(cfg):
-        exact = workload.replace(cache={"name": kv.EXACT_REFERENCE}, kv_dtype="auto")
+        exact = workload.replace(cache={"name": EXACT_REFERENCE}, kv_dtype="auto")
         logits = 2 * cfg.batch_size * cfg.gen_len * workload.model_args().vocab_size * 4
         need += exact.layout().allocation(exact).total_bytes + logits
     return need

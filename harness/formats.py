@@ -19,3 +19,8 @@ TOKEN_ID_BYTES = 8  # prompts and generated ids are int64
 KV_DTYPES = ("auto", *BITS)
 KV_GROUP_SIZES = (32, 64)  # int4: values per quantization group
 COMPILE_MODES = ("default", "reduce-overhead")  # torch.compile's modes a decode step can take here ("none": eager)
+
+# The strategy whose K/V are exact at the compute dtype: a lossy point's accuracy reference (harness.run.bench) and
+# the dashboard's baseline, in the same workload, for ratios between strategies and formats. Here, torch-free, so
+# that the dashboard names it without importing harness.kv.
+EXACT_REFERENCE = "contiguous"

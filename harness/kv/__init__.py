@@ -32,9 +32,6 @@ __all__ = [
 _NOT_STRATEGIES = {"base", "host", "quant", "triton_kernels", "triton_paged"}  # shared code, not strategies
 _REGISTERED: dict[str, ModuleType] = {}  # name -> a strategy module from outside the package (register)
 
-# The strategy a lossy point's accuracy is measured against, at the compute dtype (harness.run.bench).
-EXACT_REFERENCE = "contiguous"
-
 
 def register(name: str, module: ModuleType) -> None:
     """Make `module` (with Options, STRATEGY and LAYOUT) the strategy called `name`, beside the package's own."""

@@ -18,6 +18,7 @@ import torch
 
 from harness.config import DTYPES
 from harness.errors import ConfigError
+from harness.formats import EXACT_REFERENCE
 from harness.model_args import ModelArgs
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ def _child_runtime_bytes(sender, dtype: str, dim: int, ffn: int) -> None:
     args = ModelArgs.from_name("tiny")
     model = build_model(args, dtype=torch_dtype, device=cpu, seed=0, n_positions=64)
     spec = CacheSpec.for_model(args, batch_size=2, max_tokens=48, kv_dtype=dtype, device=cpu)
-    cache = kv.build(kv.EXACT_REFERENCE, spec, {})
+    cache = kv.build(EXACT_REFERENCE, spec, {})
     generate(model, cache, torch.zeros((2, 40), dtype=torch.long), 8, StepTimer(cpu, 8))
     with torch.inference_mode():  # w13's shape: [256, dim] x [dim, 2F]
         torch.nn.functional.linear(torch.ones(256, dim, dtype=torch_dtype), torch.empty(ffn, dim, dtype=torch_dtype))

@@ -17,6 +17,7 @@ from harness.config import DTYPES, RunConfig
 from harness.decode import check_compilable, compile_decode_step, cudagraph_skips, generate
 from harness.environment import environment_columns
 from harness.errors import Unsupported
+from harness.formats import EXACT_REFERENCE
 from harness.kv.base import CacheSpec
 from harness.model import build_model, weights_bytes
 from harness.probes import MemoryProbe
@@ -190,7 +191,7 @@ def is_lossy(cfg: RunConfig) -> bool:
 def accuracy_columns(cfg: RunConfig, *, model, cache, spec: CacheSpec, prompt) -> dict:
     """Teacher-forced logits through this point's cache against the exact cache (contiguous at the compute dtype)."""
     exact_spec = dataclasses.replace(spec, kv_dtype=cfg.dtype)
-    exact = kv.build(kv.EXACT_REFERENCE, exact_spec, {})
+    exact = kv.build(EXACT_REFERENCE, exact_spec, {})
     columns = {}
     if cfg.accuracy and is_lossy(cfg):
         # The exact cache's own greedy continuation is the forced history for both caches.
