@@ -4,8 +4,10 @@
     python -m experiments.ceilings device=cpu force=true  # measure again even if stored
     python -m experiments.ceilings quick=true             # small sizes, few repeats: a smoke test
 
+The table shows both memory roofs with their spread: the streaming read (bytes read; the roofline's roof for
+decode, set against the spec's GB/s) and the copy (bytes read + written, for comparison), then each matmul dtype.
 The figures are stored as <results_dir>/ceilings/<fingerprint>.json (harness/ceilings.py) and reused by every later
-run on the same device, this app's and the decode rows' alike.
+run on the same device, this app's and the decode rows' alike; ceilings stored by an older method are measured again.
 """
 
 from __future__ import annotations

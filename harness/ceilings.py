@@ -1,9 +1,12 @@
 """Measured device ceilings: peak memory bandwidth and matmul throughput per dtype, stored once per device.
 
 A roofline needs two ceilings, and here they are measured, not looked up (nanoGPT's bench.py hard-codes A100's
-312 TFLOP/s; that is the one thing not to copy from it). Bandwidth comes from a device-to-device copy several times
-the last-level cache; throughput from a square matmul on random data at a size that fills the device. Both follow
-bench.py's discipline: warm-up excluded, the device synchronized at both ends, the median of several repeats.
+312 TFLOP/s; that is the one thing not to copy from it). Bandwidth is measured twice over a buffer several times the
+last-level cache (harness/bandwidth.py): a streaming read, the roof of a decode step (a GEMV only reads), and a copy
+(read + write, STREAM's Copy), kept for comparison. Throughput comes from a square matmul on random data at a size
+that fills the device. All follow bench.py's discipline (harness/ceiling_timing.py): warm-up excluded, the device
+synchronized at both ends, the median of several repeats with its spread; a bandwidth whose spread is wide is
+measured again.
 
 The figures depend on the device and little else, so they are stored per device fingerprint as
 <results_dir>/ceilings/<fingerprint>.json and reused: `load_or_measure` measures only the first time. Published
@@ -21,29 +24,29 @@ import json
 import logging
 import math
 import os
-import re
-import statistics
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 import psutil
 import torch
 
+from harness import bandwidth
+from harness.ceiling_timing import median_seconds, one_call_seconds
 from harness.config import device_type
 from harness.environment import device_name  # the CUDA device's or the CPU's name
 from harness.spec import SPEC_PEAKS_CSV, spec_for, spec_peaks  # noqa: F401 (part of this module's API)
 from harness.store.atomic import atomic_write
 from harness.store.summary import text_table
-from harness.timing import StepTimer, median_rse
 
 log = logging.getLogger(__name__)
 
 # Bump when the method changes (sizes, counting, dtypes): it is part of the fingerprint, so stored ceilings measured
 # the old way are not reused.
-METHOD_VERSION = 2  # 2: warm-up by time (Plan.warmup_s), not by a fixed count of calls
+# 2: warm-up by time (Plan.warmup_s), not by a fixed count of calls. 3: a streaming-read roof beside the copy, each
+# measured again while its spread is wide; the spread is harness.stats' bootstrap.
+METHOD_VERSION = 3
 MATMUL_DTYPES = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
@@ -51,10 +54,6 @@ MATMUL_DTYPES = {
     "fp8_e4m3": torch.float8_e4m3fn,  # torch._scaled_mm: CUDA compute capability >= 8.9 (Ada, Hopper and newer)
 }
 FP8_MIN_CAPABILITY = (8, 9)  # the first with FP8 tensor cores: Ada (sm_89), per the CUDA C Programming Guide
-# When the cache size cannot be read: 32 MiB is a common server L3 per socket (AMD EPYC CCD, many Xeons) and 50 MB
-# is H100's L2 (NVIDIA H100 Tensor Core GPU Architecture whitepaper); both only scale the copy buffer.
-FALLBACK_LLC_BYTES = 32 * 2**20
-FALLBACK_L2_BYTES = 50 * 2**20
 CPU_MATMUL_N_MIN = 256  # the CPU size search starts here and doubles
 
 
@@ -62,7 +61,7 @@ CPU_MATMUL_N_MIN = 256  # the CPU size search starts here and doubles
 class Plan:
     """How hard to measure. FULL for figures to quote; QUICK for tests (small sizes, few repeats)."""
 
-    copy_cache_multiple: int  # the copy buffer is this many times the last-level cache, so it streams from memory
+    copy_cache_multiple: int  # the copy and read buffers are this many times the last-level cache: from memory
     warmup: int  # at least this many untimed calls before the repeats (allocator, first touch, cuBLAS heuristics)
     warmup_s: float  # ... and untimed calls until this many seconds have passed (clocks ramping up from idle)
     repeats: int  # timed calls; the figure is their median
@@ -107,18 +106,23 @@ class Ceilings:
     n_threads: int | None  # CPU: torch.get_num_threads() while measuring; None on CUDA
     n_sms: int | None  # CUDA: streaming multiprocessors; None on CPU
     total_memory_bytes: int
-    peak_bw_gbps: float  # device-to-device copy, bytes read + written, GB = 1e9
+    # The copy's GB/s, bytes read + written, GB = 1e9. The name predates the read roof and is kept: stored JSON and
+    # callers that build a Ceilings use it. A row's peak_bw_gbps is row_columns()' roof, not necessarily this.
+    peak_bw_gbps: float
     peak_tflops: dict[str, float]  # dtype name -> dense matmul TFLOP/s (2*m*n*k, T = 1e12); unsupported dtypes absent
     skipped: dict[str, str]  # dtype name -> why it was not measured on this device
-    median_rse: dict[str, float]  # "copy" and each dtype -> relative standard error of the median (the spread)
-    copy_bytes: int  # size of one copy buffer (each copy reads and writes this many)
+    median_rse: dict[str, float]  # "copy", "read" and each dtype -> relative standard error of the median (spread)
+    copy_bytes: int  # size of one copy buffer (each copy reads and writes this many); the read streams as many
     matmul_n: dict[str, int]  # dtype name -> m = n = k used
-    repeats: dict[str, int]  # "copy" and each dtype -> timed repeats behind the median
+    repeats: dict[str, int]  # "copy", "read" and each dtype -> timed repeats behind the median
     quick: bool  # measured with the QUICK plan: fine for tests, not for quoting
     fp32_matmul_precision: str  # torch.get_float32_matmul_precision(): "highest" = true fp32, else TF32 is allowed
     measured_at: str  # ISO 8601, UTC
     torch_version: str
     method_version: int = METHOD_VERSION
+    # Since METHOD_VERSION 3; the defaults let stored version-2 JSON load (and load_or_measure then measures again).
+    read_bw_gbps: float | None = None  # streaming read (a float32 sum), bytes read only, GB = 1e9: the decode roof
+    tries: dict[str, int] = field(default_factory=dict)  # "copy", "read" -> measurements taken, the tightest kept
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -133,25 +137,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if isinstance(device, torch.device):
         return device
     return torch.device(device_type(device))
-
-
-def last_level_cache_bytes(device: torch.device) -> int:
-    """CUDA: the L2. CPU: the highest-level data or unified cache that sysfs lists for cpu0 (usually the L3)."""
-    if device.type == "cuda":
-        return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or FALLBACK_L2_BYTES
-    best_level, best_bytes = -1, 0
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            kind = (index / "type").read_text().strip()
-            level = int((index / "level").read_text())
-            size = (index / "size").read_text().strip()  # e.g. "32768K"
-        except (OSError, ValueError):
-            continue
-        match = re.fullmatch(r"(\d+)([KMG]?)", size)
-        if kind in ("Data", "Unified") and match and level > best_level:
-            best_level = level
-            best_bytes = int(match.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[match.group(2)]
-    return best_bytes or FALLBACK_LLC_BYTES
 
 
 def device_identity(device: torch.device) -> dict:
@@ -177,69 +162,6 @@ def device_fingerprint(device: str | torch.device) -> str:
     device = resolve_device(device)
     blob = json.dumps(device_identity(device), sort_keys=True).encode()
     return f"{device.type}-{hashlib.sha256(blob).hexdigest()[:12]}"
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def warm_up(
-    fn: Callable[[], object],
-    device: torch.device,
-    *,
-    min_calls: int,
-    min_seconds: float,
-    clock: Callable[[], float] = time.perf_counter,
-) -> int:
-    """Untimed calls of fn() until at least min_calls have run and at least min_seconds have passed; returns how
-    many ran. Each call is synchronized: on CUDA the host would otherwise queue calls far ahead of the device and
-    the seconds would count launches, not work."""
-    started = clock()
-    calls = 0
-    while calls < min_calls or clock() - started < min_seconds:
-        fn()
-        synchronize(device)
-        calls += 1
-    return calls
-
-
-def median_seconds(
-    fn: Callable[[], object], device: torch.device, *, warmup: int, warmup_s: float, repeats: int
-) -> tuple[float, float]:
-    """Median seconds of one fn() over `repeats` calls after the warm-up (warm_up(): at least `warmup` calls and
-    `warmup_s` seconds), and that median's relative standard error. On CUDA each timed call sits between two events
-    and the host synchronizes only before the first (warm-up done) and after the last; on the CPU, perf_counter
-    around each call."""
-    warm_up(fn, device, min_calls=warmup, min_seconds=warmup_s)
-    timer = StepTimer(device, n_marks=repeats)
-    timer.start()
-    for _ in range(repeats):
-        fn()
-        timer.mark()
-    seconds = [ms / 1e3 for ms in timer.intervals_ms()]  # the closing synchronize happens here
-    return statistics.median(seconds), median_rse(seconds)
-
-
-def copy_bytes_for(device: torch.device, plan: Plan) -> int:
-    """Several times the last-level cache, so the copy streams from memory; at most a quarter of what is free."""
-    if device.type == "cuda":
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-    else:
-        free_bytes = psutil.virtual_memory().available
-    return min(plan.copy_cache_multiple * last_level_cache_bytes(device), free_bytes // 4)
-
-
-def copy_bandwidth(device: torch.device, plan: Plan) -> tuple[float, float, int, int]:
-    """GB/s of a device-to-device copy, counting bytes read plus written (2 x size per copy, as STREAM's Copy
-    kernel counts them; McCalpin, STREAM benchmark). Returns (GB/s, median rse, buffer bytes, repeats)."""
-    n_bytes = copy_bytes_for(device, plan)
-    src = torch.empty(n_bytes, dtype=torch.uint8, device=device).fill_(1)  # touched: no page faults while timed
-    dst = torch.empty_like(src)
-    seconds, rse = median_seconds(
-        lambda: dst.copy_(src), device, warmup=plan.warmup, warmup_s=plan.warmup_s, repeats=plan.repeats
-    )
-    return 2 * n_bytes / seconds / 1e9, rse, n_bytes, plan.repeats
 
 
 def unsupported_reason(device: torch.device, dtype_name: str) -> str | None:
@@ -275,17 +197,6 @@ def matmul_call(device: torch.device, dtype_name: str, n: int) -> Callable[[], t
     return lambda: torch.mm(a, b, out=out)
 
 
-def one_call_seconds(fn: Callable[[], object], device: torch.device) -> float:
-    """One untimed call, then one timed: a probe for the CPU size search, not a figure."""
-    fn()
-    synchronize(device)
-    timer = StepTimer(device, n_marks=1)
-    timer.start()
-    fn()
-    timer.mark()
-    return timer.intervals_ms()[0] / 1e3
-
-
 def matmul_throughput(device: torch.device, dtype_name: str, plan: Plan) -> tuple[float, float, int, int]:
     """TFLOP/s of a square matmul at a size that fills the device. Returns (TFLOP/s, median rse, n, repeats).
 
@@ -314,12 +225,13 @@ def measure(device: str | torch.device, *, quick: bool = False) -> Ceilings:
     device = resolve_device(device)
     plan = QUICK if quick else FULL
     identity = device_identity(device)
-    bw_gbps, copy_rse, copy_bytes, copy_repeats = copy_bandwidth(device, plan)
+    copy = bandwidth.copy_bandwidth(device, plan)
+    read = bandwidth.read_bandwidth(device, plan)
     peak_tflops: dict[str, float] = {}
     skipped: dict[str, str] = {}
-    rse: dict[str, float] = {"copy": copy_rse}
+    rse: dict[str, float] = {"copy": copy.rse, "read": read.rse}
     matmul_n: dict[str, int] = {}
-    repeats: dict[str, int] = {"copy": copy_repeats}
+    repeats: dict[str, int] = {"copy": copy.repeats, "read": read.repeats}
     for dtype_name in MATMUL_DTYPES:
         reason = unsupported_reason(device, dtype_name)
         if reason is not None:
@@ -333,7 +245,13 @@ def measure(device: str | torch.device, *, quick: bool = False) -> Ceilings:
             skipped[dtype_name] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
             continue
         peak_tflops[dtype_name] = tflops
-    log.info("ceilings measured on %s: %.1f GB/s, %s TFLOP/s", identity["name"], bw_gbps, peak_tflops)
+    log.info(
+        "ceilings measured on %s: read %.1f GB/s, copy %.1f GB/s, %s TFLOP/s",
+        identity["name"],
+        read.gbps,
+        copy.gbps,
+        peak_tflops,
+    )
     return Ceilings(
         fingerprint=device_fingerprint(device),
         device=device.type,
@@ -341,11 +259,13 @@ def measure(device: str | torch.device, *, quick: bool = False) -> Ceilings:
         n_threads=identity.get("n_threads"),
         n_sms=identity.get("n_sms"),
         total_memory_bytes=identity["total_memory_bytes"],
-        peak_bw_gbps=bw_gbps,
+        peak_bw_gbps=copy.gbps,
+        read_bw_gbps=read.gbps,
+        tries={"copy": copy.tries, "read": read.tries},
         peak_tflops=peak_tflops,
         skipped=skipped,
         median_rse=rse,
-        copy_bytes=copy_bytes,
+        copy_bytes=copy.n_bytes,
         matmul_n=matmul_n,
         repeats=repeats,
         quick=quick,
@@ -375,13 +295,21 @@ def load_or_measure(
 ) -> Ceilings:
     """This device's stored ceilings, measured and stored first if there are none for its fingerprint.
 
-    A quick measurement never stands in for a full one: asking for full figures replaces stored quick ones.
-    `force` measures again regardless.
+    A quick measurement never stands in for a full one: asking for full figures replaces stored quick ones. Nor does
+    one measured by another METHOD_VERSION (a version-2 file has no read roof), should one sit under this
+    fingerprint. `force` measures again regardless.
     """
     device = resolve_device(device)
     path = ceilings_path(device, results_dir)
     stored = None if force else read_stored(path)
-    if stored is not None and (quick or not stored.quick):
+    if stored is not None and stored.method_version != METHOD_VERSION:
+        log.info(
+            "ceilings: %s was measured by method %d, not %d; measuring again",
+            path,
+            stored.method_version,
+            METHOD_VERSION,
+        )
+    elif stored is not None and (quick or not stored.quick):
         log.info("ceilings: reusing %s (measured %s)", path, stored.measured_at)
         return stored
     ceilings = measure(device, quick=quick)
@@ -391,8 +319,20 @@ def load_or_measure(
     return ceilings
 
 
+def bandwidth_roof(ceilings: Ceilings) -> tuple[float, str]:
+    """The memory roof of a decode row and its name: the streaming read, or the copy when none was measured
+    (ceilings stored before METHOD_VERSION 3)."""
+    if ceilings.read_bw_gbps is not None and math.isfinite(ceilings.read_bw_gbps) and ceilings.read_bw_gbps > 0:
+        return ceilings.read_bw_gbps, "read"
+    return ceilings.peak_bw_gbps, "copy"
+
+
 def format_table(ceilings: Ceilings, spec: pd.DataFrame | None = None) -> str:
-    """Measured ceilings, beside the published spec and their ratio when a spec row matches."""
+    """Measured ceilings with their spread, beside the published spec and their ratio when a spec row matches.
+
+    The spec's bandwidth stands beside the read roof only: a datasheet's GB/s is what the memory delivers one way,
+    and a copy counts every byte twice (read and written), so its ratio to the datasheet means nothing.
+    """
 
     def spec_value(dtype_name: str | None) -> float | None:
         if spec is None:
@@ -402,25 +342,33 @@ def format_table(ceilings: Ceilings, spec: pd.DataFrame | None = None) -> str:
         tflops = spec.loc[spec["dtype"] == dtype_name, "peak_tflops_dense"]
         return None if tflops.empty or pd.isna(tflops.iloc[0]) else float(tflops.iloc[0])
 
-    def line(label: str, measured: float, published: float | None) -> dict:
-        if published is None or not math.isfinite(measured):
-            return {"ceiling": label, "measured": measured, "spec": None, "ratio": None, "note": ""}
-        return {"ceiling": label, "measured": measured, "spec": published, "ratio": measured / published, "note": ""}
+    def line(label: str, measured: float | str | None, spread: str = "", published: float | None = None, note=""):
+        ratio = measured / published if isinstance(measured, float) and published is not None else None
+        rse = ceilings.median_rse.get(spread)
+        return dict(ceiling=label, measured=measured, rse=rse, spec=published, ratio=ratio, note=note)
 
-    lines = [line("memory bandwidth GB/s", ceilings.peak_bw_gbps, spec_value(None))]
-    for dtype_name, tflops in ceilings.peak_tflops.items():
-        lines.append(line(f"matmul {dtype_name} TFLOP/s", tflops, spec_value(dtype_name)))
-    for dtype_name, reason in ceilings.skipped.items():
-        lines.append(
-            {"ceiling": f"matmul {dtype_name} TFLOP/s", "measured": "skipped", "spec": "", "ratio": "", "note": reason}
-        )
-    number = "{:.4g}".format
+    def tries_note(name: str) -> str:
+        tries = ceilings.tries.get(name, 1)
+        return f"; measured {tries} times, the tightest kept" if tries > 1 else ""
+
+    read_note = "the roofline's memory roof: bytes read (a streaming sum)" + tries_note("read")
+    if ceilings.read_bw_gbps is None:
+        read_note = f"stored by method {ceilings.method_version}, before the read roof: force=true measures it"
+    lines = [
+        line("read bandwidth GB/s", ceilings.read_bw_gbps or "not measured", "read", spec_value(None), read_note),
+        line("copy bandwidth GB/s", ceilings.peak_bw_gbps, "copy", note="bytes read + written" + tries_note("copy")),
+    ]
+    lines += [
+        line(f"matmul {name} TFLOP/s", tflops, name, spec_value(name)) for name, tflops in ceilings.peak_tflops.items()
+    ]
+    lines += [line(f"matmul {name} TFLOP/s", "skipped", note=reason) for name, reason in ceilings.skipped.items()]
     table = text_table(
-        pd.DataFrame(lines, columns=["ceiling", "measured", "spec", "ratio", "note"]),
+        pd.DataFrame(lines, columns=["ceiling", "measured", "rse", "spec", "ratio", "note"]),
         formatters={
-            "measured": lambda v: v if isinstance(v, str) else number(v),
-            "spec": lambda v: v if isinstance(v, str) else number(v),
-            "ratio": lambda v: v if isinstance(v, str) else f"{v:.2f}",
+            "measured": lambda v: v if isinstance(v, str) else f"{v:.4g}",
+            "rse": "{:.1%}".format,
+            "spec": "{:.4g}".format,
+            "ratio": "{:.2f}".format,
         },
         left=("ceiling", "note"),
     )
@@ -434,9 +382,17 @@ def format_table(ceilings: Ceilings, spec: pd.DataFrame | None = None) -> str:
 
 
 def row_columns(ceilings: Ceilings, dtype_name: str) -> dict:
-    """The ceilings columns of a decode row whose compute dtype is `dtype_name` (None where it was not measured)."""
+    """The ceilings columns of a decode row whose compute dtype is `dtype_name` (None where it was not measured).
+
+    peak_bw_gbps is the roof the roofline uses (bandwidth_roof: the read, else the copy) and bw_roof names it; both
+    measured bandwidths ride along, so that a reader can set the row against either.
+    """
+    roof_gbps, roof = bandwidth_roof(ceilings)
     return {
         "ceilings_fingerprint": ceilings.fingerprint,
-        "peak_bw_gbps": ceilings.peak_bw_gbps,
+        "peak_bw_gbps": roof_gbps,
+        "bw_roof": roof,
+        "peak_read_bw_gbps": ceilings.read_bw_gbps,
+        "peak_copy_bw_gbps": ceilings.peak_bw_gbps,
         "peak_tflops": ceilings.peak_tflops.get(dtype_name),
     }
