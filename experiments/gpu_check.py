@@ -100,6 +100,8 @@ def bandwidth_verdict(rows: pd.DataFrame) -> Verdict:
     if pd.isna(row["bw_util"]):
         return Verdict("FAIL", target, "bw_util is null: no measured ceilings for this device (see the ceilings stage)")
     memory = "HBM" if row["device"] == "cuda" else "memory"
+    roof = row.get("bw_roof")  # read since the read roof (METHOD_VERSION 3); copy, or null, on older rows
+    memory += f" {roof}" if isinstance(roof, str) else ""
     status = "PASS" if row["bw_util"] >= BANDWIDTH_TARGET else "FAIL"
     return Verdict(
         status,

@@ -5,6 +5,13 @@ The cost model (FLOPs and bytes of each step) is harness.roofline; this module c
 
     predicted step time = max(flops / peak_flops, bytes / peak_bandwidth)
     ridge point         = peak_flops / peak_bandwidth   # FLOPs per byte; above it a step is compute-bound
+
+Which bandwidth: decode is judged against the streaming-read roof (harness/bandwidth.py; bw_roof "read"). A decode
+step is GEMVs over the weights and a read of the KV cache: it reads each byte once and writes little (one token's K
+and V, the activations), so a copy, which counts read + write and on CPUs often reaches half of a streaming read's
+GB/s, is not its ceiling: against it bw_util could pass 1 and predicted_tpot_ms come out too slow. Ceilings stored before the read roof
+give the copy instead, and bw_roof says "copy". A row that beats its roofs (bw_util or flops_util over 1) marks them
+stale: ceilings_stale.
 """
 
 from __future__ import annotations
@@ -149,7 +156,9 @@ def roofline_columns(
         prefill_flops                      FLOPs of the prefill of the whole batch
         prefill_achieved_tflops            prefill_flops / ttft (TTFT also holds the first token's sampling)
         achieved_bw_gbps, achieved_tflops  bytes_per_step / tpot, flops_per_step / tpot
-        bw_util, flops_util                achieved / peak
+        bw_util, flops_util                achieved / peak (peak_bw_gbps: the roof the caller chose, bw_roof)
+        ceilings_stale                     bw_util > 1 or flops_util > 1: the row beat its ceilings, so they are
+                                           stale or wrong; None when neither utilisation is known
         bound                              "compute" if arithmetic_intensity >= the ridge point, else "memory"
         predicted_tpot_ms                  max(flops / peak_flops, bytes / peak_bw) · 1e3
         critical_batch                     B* at this row's decode steps (critical_batch); None if no batch
@@ -175,11 +184,15 @@ def roofline_columns(
     timed, peaks = _known(tpot_ms), _known(peak_bw_gbps) and _known(peak_tflops)
     achieved_bw = decode.bytes / (tpot_ms * 1e-3) / 1e9 if timed else None
     achieved_tflops = decode.flops / (tpot_ms * 1e-3) / 1e12 if timed else None
+    bw_util = achieved_bw / peak_bw_gbps if timed and _known(peak_bw_gbps) else None
+    flops_util = achieved_tflops / peak_tflops if timed and _known(peak_tflops) else None
+    utils = [util for util in (bw_util, flops_util) if util is not None]
     columns |= {
         "achieved_bw_gbps": achieved_bw,
         "achieved_tflops": achieved_tflops,
-        "bw_util": achieved_bw / peak_bw_gbps if timed and _known(peak_bw_gbps) else None,
-        "flops_util": achieved_tflops / peak_tflops if timed and _known(peak_tflops) else None,
+        "bw_util": bw_util,
+        "flops_util": flops_util,
+        "ceilings_stale": any(util > 1 for util in utils) if utils else None,
     }
     if not peaks:
         return columns | dict.fromkeys(("bound", "predicted_tpot_ms", "critical_batch", "critical_context"))

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
-from harness import kv
-from harness.config import Workload
+from harness import ceilings, kv
+from harness.config import RunConfig, Workload
 from harness.kv.base import CacheSpec
 from harness.model_args import ModelArgs
 from harness.roofline import decode_step_cost, kv_bytes_per_token_read, mean_decode_cost, prefill_cost
 from harness.roofline_row import critical_batch, critical_context, ridge_point, roofline_columns
+from harness.run import bench
 
 BF16 = dict(dtype="bf16", kv_dtype="bf16")
 H100 = dict(peak_bw_gbps=3350.0, peak_tflops=989.0)  # H100 SXM datasheet: 3.35 TB/s HBM3, 989 TFLOP/s dense bf16
@@ -261,3 +264,96 @@ def test_prefill_achieved_tflops_is_the_prefill_flops_over_ttft():
     assert row["prefill_flops"] == prefill_cost(args, batch_size=4, prompt_len=128, **BF16).flops
     assert row["prefill_achieved_tflops"] == pytest.approx(row["prefill_flops"] / 40e-3 / 1e12)
     assert columns(4)["prefill_achieved_tflops"] is None  # no TTFT measured
+
+
+def test_a_row_faster_than_its_bandwidth_roof_marks_its_ceilings_stale():
+    assert columns(1, tpot_ms=5.0)["bw_util"] < 1 and columns(1, tpot_ms=5.0)["ceilings_stale"] is False
+    beaten = columns(1, tpot_ms=4.0)  # ~15.0 GB in 4 ms is ~3.75 TB/s, over the 3.35 TB/s roof
+    assert beaten["bw_util"] > 1 and beaten["ceilings_stale"] is True
+
+
+def test_a_row_faster_than_its_compute_roof_marks_its_ceilings_stale():
+    beaten = columns(1024, tpot_ms=1.0)  # batch 1024: ~16 PFLOP a step in 1 ms, 16x the 989 TFLOP/s roof
+    assert beaten["flops_util"] > 1 and beaten["ceilings_stale"] is True
+
+
+def test_ceilings_stale_is_unknown_without_a_time_or_roofs_not_false():
+    assert columns(1, tpot_ms=None)["ceilings_stale"] is None
+    assert columns(1, peak_bw_gbps=None, peak_tflops=None)["ceilings_stale"] is None
+    assert columns(1, peak_tflops=None)["ceilings_stale"] is False  # the bandwidth alone is known, and within its roof
+
+
+def stored_ceilings(results_dir: Path, *, copy_gbps: float, read_gbps: float | None) -> None:
+    """A quick-plan-shaped Ceilings for this CPU under results_dir, with the given roofs (no measuring)."""
+    measured = ceilings.Ceilings(
+        fingerprint=ceilings.device_fingerprint("cpu"),
+        device="cpu",
+        device_name="test cpu",
+        n_threads=torch.get_num_threads(),
+        n_sms=None,
+        total_memory_bytes=2**34,
+        peak_bw_gbps=copy_gbps,
+        peak_tflops={"fp32": 1.0},
+        skipped={},
+        median_rse={},
+        copy_bytes=2**28,
+        matmul_n={},
+        repeats={},
+        quick=True,
+        fp32_matmul_precision="highest",
+        measured_at="2026-12-01T00:00:00+00:00",
+        torch_version=torch.__version__,
+        read_bw_gbps=read_gbps,
+    )
+    path = ceilings.ceilings_path("cpu", results_dir)
+    path.parent.mkdir(parents=True)
+    path.write_text(measured.to_json())
+
+
+def bench_columns(results_dir: Path, tpot_ms: float = 20.0) -> dict:
+    cfg = RunConfig(
+        model={"name": "small"}, device="cpu", dtype="fp32", prompt_len=16, gen_len=4, results_dir=str(results_dir)
+    )
+    return bench.roofline_columns(cfg, args=cfg.model_args(), tpot_ms=tpot_ms)
+
+
+def test_a_row_is_judged_against_the_read_roof_and_carries_both(tmp_path):
+    stored_ceilings(tmp_path, copy_gbps=10.0, read_gbps=20.0)
+    row = bench_columns(tmp_path)
+    assert row["peak_bw_gbps"] == 20.0 and row["bw_roof"] == "read"
+    assert row["peak_read_bw_gbps"] == 20.0 and row["peak_copy_bw_gbps"] == 10.0
+    assert row["bw_util"] == pytest.approx(row["achieved_bw_gbps"] / 20.0)
+    assert row["bound"] == "memory"  # fp32 decode at batch 1: under 1 FLOP a byte, the ridge is 1e12 / 20e9 = 50
+    assert row["predicted_tpot_ms"] == pytest.approx(row["bytes_per_step"] / 20e9 * 1e3)
+
+
+def test_a_row_on_ceilings_without_a_read_roof_uses_the_copy_and_says_so(tmp_path):
+    stored_ceilings(tmp_path, copy_gbps=10.0, read_gbps=None)
+    row = bench_columns(tmp_path)
+    assert row["peak_bw_gbps"] == 10.0 and row["bw_roof"] == "copy"
+    assert row["peak_read_bw_gbps"] is None and row["peak_copy_bw_gbps"] == 10.0
+
+
+def test_a_row_without_stored_ceilings_has_no_roof_and_no_stale_verdict(tmp_path):
+    row = bench_columns(tmp_path)
+    assert row["peak_bw_gbps"] is None and row["bw_roof"] is None and row["ceilings_stale"] is None
+
+
+REFERENCE = Path(__file__).parents[1] / "results" / "reference"
+
+
+def reference_rows() -> pd.DataFrame:
+    """Every committed reference row that has a bw_util column (the top-ops tables beside them are not rows)."""
+    files = [p for p in sorted(REFERENCE.rglob("*.parquet")) if not p.name.endswith(".ops.parquet")]
+    frames = [pd.read_parquet(p).assign(file=str(p.relative_to(REFERENCE))) for p in files]
+    return pd.concat([f for f in frames if "bw_util" in f.columns], ignore_index=True)
+
+
+def test_no_committed_reference_row_beats_its_bandwidth_or_compute_roof():
+    rows = reference_rows()
+    assert rows["bw_util"].notna().sum() > 10  # the check has rows to hold to it, not just nulls
+    for util in ("bw_util", "flops_util"):
+        over = rows.loc[rows[util].notna() & (rows[util] > 1), ["file", util]]  # a null is "not recorded": skipped
+        assert over.empty, f"{util} over 1 (stale ceilings):\n{over.to_string()}"
+    if "ceilings_stale" in rows.columns:
+        assert not rows["ceilings_stale"].eq(True).any()

@@ -154,16 +154,20 @@ def cache_spec(cfg: RunConfig) -> CacheSpec:
 
 
 def roofline_columns(cfg: RunConfig, *, args, tpot_ms: float | None, ttft_ms: float | None = None) -> dict:
-    """The analytic step model of this point beside this device's measured ceilings (null peaks if not measured)."""
+    """The analytic step model of this point beside this device's measured ceilings (null peaks if not measured).
+
+    The memory roof is ceilings.row_columns()' choice (the read, or the copy for ceilings without one); bw_roof names
+    it, and both measured bandwidths ride along."""
     stored = ceilings.read_stored(ceilings.ceilings_path(cfg.torch_device(), cfg.ceilings_dir or cfg.results_dir))
     peaks = ceilings.row_columns(stored, cfg.dtype) if stored else {}
+    passed = ("ceilings_fingerprint", "bw_roof", "peak_read_bw_gbps", "peak_copy_bw_gbps")
     return roofline_row.roofline_columns(
         cfg,
         tpot_ms=tpot_ms,
         ttft_ms=ttft_ms,
         peak_bw_gbps=peaks.get("peak_bw_gbps"),
         peak_tflops=peaks.get("peak_tflops"),
-    ) | {"ceilings_fingerprint": peaks.get("ceilings_fingerprint")}
+    ) | {name: peaks.get(name) for name in passed}
 
 
 def make_prompts(cfg: RunConfig, *, vocab_size: int) -> torch.Tensor:
