@@ -342,10 +342,14 @@ def format_table(ceilings: Ceilings, spec: pd.DataFrame | None = None) -> str:
         tflops = spec.loc[spec["dtype"] == dtype_name, "peak_tflops_dense"]
         return None if tflops.empty or pd.isna(tflops.iloc[0]) else float(tflops.iloc[0])
 
-    def line(label: str, measured: float | str | None, spread: str = "", published: float | None = None, note=""):
-        ratio = measured / published if isinstance(measured, float) and published is not None else None
+    def line(label: str, measured: float | str, spread: str = "", published: float | None = None, note=""):
+        """One row of the table; a measured figure shows its spread beside it: "20.5 ± 1.2%" (median ± rse)."""
+        if isinstance(measured, str):
+            return dict(ceiling=label, measured=measured, spec=None, ratio=None, note=note)
         rse = ceilings.median_rse.get(spread)
-        return dict(ceiling=label, measured=measured, rse=rse, spec=published, ratio=ratio, note=note)
+        shown = f"{measured:.4g}" + (f" ± {rse:.1%}" if rse is not None and math.isfinite(rse) else "")
+        ratio = measured / published if published is not None else None
+        return dict(ceiling=label, measured=shown, spec=published, ratio=ratio, note=note)
 
     def tries_note(name: str) -> str:
         tries = ceilings.tries.get(name, 1)
@@ -363,10 +367,8 @@ def format_table(ceilings: Ceilings, spec: pd.DataFrame | None = None) -> str:
     ]
     lines += [line(f"matmul {name} TFLOP/s", "skipped", note=reason) for name, reason in ceilings.skipped.items()]
     table = text_table(
-        pd.DataFrame(lines, columns=["ceiling", "measured", "rse", "spec", "ratio", "note"]),
+        pd.DataFrame(lines, columns=["ceiling", "measured", "spec", "ratio", "note"]),
         formatters={
-            "measured": lambda v: v if isinstance(v, str) else f"{v:.4g}",
-            "rse": "{:.1%}".format,
             "spec": "{:.4g}".format,
             "ratio": "{:.2f}".format,
         },

@@ -225,11 +225,11 @@ def table_line(table: str, label: str) -> list[str]:
 
 def test_table_puts_the_read_roof_beside_the_spec_with_the_ratio_and_both_roofs_with_their_spread(quick_cpu):
     table = ceilings.format_table(quick_cpu, spec=ceilings.spec_for("NVIDIA L4"))
-    measured, rse, spec, ratio = table_line(table, "read bandwidth GB/s")[:4]
+    measured, plus_minus, rse, spec, ratio = table_line(table, "read bandwidth GB/s")[:5]
     assert float(measured) == pytest.approx(quick_cpu.read_bw_gbps, rel=1e-3)  # printed to 4 significant digits
-    assert rse == f"{quick_cpu.median_rse['read']:.1%}"
+    assert plus_minus == "±" and rse == f"{quick_cpu.median_rse['read']:.1%}"
     assert spec == "300" and float(ratio) == pytest.approx(quick_cpu.read_bw_gbps / 300, abs=0.01)
-    measured, rse, spec, ratio = table_line(table, "copy bandwidth GB/s")[:4]
+    measured, plus_minus, rse, spec, ratio = table_line(table, "copy bandwidth GB/s")[:5]
     assert float(measured) == pytest.approx(quick_cpu.peak_bw_gbps, rel=1e-3)
     assert rse == f"{quick_cpu.median_rse['copy']:.1%}" and spec == ratio == "-"  # a copy counts bytes twice
     assert "skipped" in table
