@@ -46,7 +46,9 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 STAGE_COLUMN = "stage"  # the merged rows' column naming the stage that measured each
 DECODE_STAGE = "decode"
-BANDWIDTH_TARGET = 0.80  # of the measured copy bandwidth, at batch 1 in bf16
+# Of the row's memory roof (bw_util), at batch 1 in bf16: the measured streaming read since ceilings METHOD_VERSION 3
+# (a GEMV only reads), the copy on rows measured before it; the verdict's text names which (bw_roof).
+BANDWIDTH_TARGET = 0.80
 PAGED_TARGET = 0.05  # paged TPOT at most 5% above contiguous, same workload
 DENSE, PAGED = ContiguousCache.name, PagedCache.name  # the strategies the bandwidth and paged targets name
 LONG_CONTEXT_TOKENS = 8192
