@@ -136,7 +136,7 @@ class Floor(NamedTuple):
 
 
 def floor_table(rows: list[dict], floors: list[Floor]) -> str:
-    """Per case: one step of the model's matrix products alone against our TPOT and the copy bandwidth: how much of
+    """Per case: one step of the model's matrix products alone against our TPOT and the memory roof (peak_bw_gbps): how much of
     the gap to the bandwidth target is torch's GEMV and how much is our loop."""
     peak = next((row["peak_bw_gbps"] for row in rows if row.get("peak_bw_gbps")), None)
     lines = []
@@ -160,7 +160,7 @@ def floor_table(rows: list[dict], floors: list[Floor]) -> str:
                 "batch": cfg.batch_size,
                 "linears ms": f"{floor.linear_ms:.2f}",
                 "linears GB/s": f"{gbps:.1f}",
-                "of copy BW": f"{100 * gbps / peak:.0f}%" if peak else "-",
+                "of roof BW": f"{100 * gbps / peak:.0f}%" if peak else "-",
                 "our TPOT ms": f"{ours['tpot_ms']:.2f}",
                 "linears/TPOT": f"{100 * floor.linear_ms / ours['tpot_ms']:.0f}%",
             }

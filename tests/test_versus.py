@@ -155,7 +155,7 @@ def test_the_bare_timer_stamps_only_prefill_and_decode_and_spreads_decode_over_t
 # --- the table's formulas -------------------------------------------------------------------------------------------
 
 
-def test_bandwidth_fraction_is_bytes_per_step_over_tpot_over_the_copy_bandwidth():
+def test_bandwidth_fraction_is_bytes_per_step_over_tpot_over_the_memory_roof():
     # 3 GB a step in 100 ms is 30 GB/s: three quarters of 40 GB/s
     assert versus_table.bw_fraction(bytes_per_step=3e9, tpot_ms=100, peak_bw_gbps=40) == pytest.approx(0.75)
     assert versus_table.bw_fraction(bytes_per_step=3e9, tpot_ms=100, peak_bw_gbps=None) is None
