@@ -165,6 +165,13 @@ def test_a_row_without_samples_or_spread_is_ambiguous_and_says_why():
     assert line["verdict"] == "AMBIGUOUS" and "no spread recorded for A" in line["note"]
 
 
+def test_a_pair_without_the_metric_is_left_out_and_counted_in_a_note():
+    a = pd.DataFrame([row("a-untimed", prompt_len=512, tpot=None)])  # a fragmentation point: no timing
+    b = pd.DataFrame([row("b-untimed", prompt_len=512, tpot=None)])
+    comparison = compare.compare(a, b)
+    assert comparison.verdicts.empty and comparison.notes == ("1 pairs left out: no tpot_ms on one side or both",)
+
+
 def test_a_side_that_did_not_converge_is_noted():
     a, b = result_sets()
     b["converged"] = pd.array([False] + [None] * (len(b) - 1), dtype="boolean")  # null: not recorded, no note

@@ -186,10 +186,16 @@ def compare(
     check_options(metric=metric, threshold=threshold, confidence=confidence)
     spec = METRICS[metric]
     pairs = pair(a_rows, b_rows)
-    lines = []
+    lines, measured = [], []
     for (_, a), (_, b) in zip(pairs.a.iterrows(), pairs.b.iterrows(), strict=True):
-        lines.append(_compare_one(a, b, spec=spec, threshold=threshold, confidence=confidence))
-    keys = pairs.a[list(POINT_KEY_COLUMNS)]
+        # A pair without the metric on a side (a point that was not timed: fragmentation, capacity) has nothing
+        # to compare; nvbench's compare skips such states too.
+        measured.append(_has_metric(a, spec) and _has_metric(b, spec))
+        if measured[-1]:
+            lines.append(_compare_one(a, b, spec=spec, threshold=threshold, confidence=confidence))
+    unmeasured = measured.count(False)
+    notes = pairs.notes + ((f"{unmeasured} pairs left out: no {metric} on one side or both",) if unmeasured else ())
+    keys = pairs.a.loc[measured, list(POINT_KEY_COLUMNS)].reset_index(drop=True)
     verdicts = pd.DataFrame(lines, columns=[c for c in VERDICT_COLUMNS if c != "workload"])
     verdicts.insert(0, "workload", workload_labels(keys) if len(keys) else pd.Series(dtype=object))
     verdicts = pd.concat([verdicts, keys.reset_index(drop=True)], axis=1)
@@ -197,7 +203,7 @@ def compare(
     labels = workload_labels(every_key) if len(every_key) else pd.Series(dtype=object)
     only_a = pairs.only_a.assign(workload=labels.iloc[len(keys) : len(keys) + len(pairs.only_a)].to_numpy())
     only_b = pairs.only_b.assign(workload=labels.iloc[len(keys) + len(pairs.only_a) :].to_numpy())
-    return Comparison(metric=metric, verdicts=verdicts, only_a=only_a, only_b=only_b, notes=pairs.notes)
+    return Comparison(metric=metric, verdicts=verdicts, only_a=only_a, only_b=only_b, notes=notes)
 
 
 def verdict(*, low: float, high: float, threshold: float, higher_is_better: bool = False) -> str:
@@ -246,6 +252,10 @@ def _compare_one(a: pd.Series, b: pd.Series, *, spec: Metric, threshold: float, 
         "a_point_id": a.get("point_id"),
         "b_point_id": b.get("point_id"),
     }
+
+
+def _has_metric(row: pd.Series, spec: Metric) -> bool:
+    return _samples(row, spec) is not None or math.isfinite(_number(row.get(spec.column)))
 
 
 def _samples(row: pd.Series, spec: Metric) -> list[float] | None:
