@@ -196,13 +196,14 @@ def compare(
     unmeasured = measured.count(False)
     notes = pairs.notes + ((f"{unmeasured} pairs left out: no {metric} on one side or both",) if unmeasured else ())
     keys = pairs.a.loc[measured, list(POINT_KEY_COLUMNS)].reset_index(drop=True)
+    # One labelling of every key, paired or not, so that a key reads the same in the table and the unpaired list.
+    labels = workload_labels(pd.concat([keys, pairs.only_a, pairs.only_b], ignore_index=True)).to_numpy()
+    ends = np.cumsum([len(keys), len(pairs.only_a)])
     verdicts = pd.DataFrame(lines, columns=[c for c in VERDICT_COLUMNS if c != "workload"])
-    verdicts.insert(0, "workload", workload_labels(keys) if len(keys) else pd.Series(dtype=object))
-    verdicts = pd.concat([verdicts, keys.reset_index(drop=True)], axis=1)
-    every_key = pd.concat([keys, pairs.only_a, pairs.only_b], ignore_index=True)
-    labels = workload_labels(every_key) if len(every_key) else pd.Series(dtype=object)
-    only_a = pairs.only_a.assign(workload=labels.iloc[len(keys) : len(keys) + len(pairs.only_a)].to_numpy())
-    only_b = pairs.only_b.assign(workload=labels.iloc[len(keys) + len(pairs.only_a) :].to_numpy())
+    verdicts.insert(0, "workload", pd.Series(labels[: ends[0]], dtype=object))
+    verdicts = pd.concat([verdicts, keys], axis=1)
+    only_a = pairs.only_a.assign(workload=labels[ends[0] : ends[1]])
+    only_b = pairs.only_b.assign(workload=labels[ends[1] :])
     return Comparison(metric=metric, verdicts=verdicts, only_a=only_a, only_b=only_b, notes=notes)
 
 
