@@ -165,6 +165,19 @@ def test_a_row_without_samples_or_spread_is_ambiguous_and_says_why():
     assert line["verdict"] == "AMBIGUOUS" and "no spread recorded for A" in line["note"]
 
 
+def test_a_row_with_samples_beside_one_without_uses_both_spreads_in_the_approximation():
+    a = pd.DataFrame([row("a-old", prompt_len=512, tpot=None, tpot_ms=10.0, tpot_rse=0.005)])
+    b = pd.DataFrame([row("b-new", prompt_len=512, tpot=samples(13.0, 0.01, seed=1))])
+    (line,) = compare.compare(a, b).verdicts.to_dict("records")
+    assert line["verdict"] == "SLOW" and "normal approximation" in line["note"]
+
+
+def test_ttft_without_samples_has_no_recorded_spread():
+    a = pd.DataFrame([row("a-old", prompt_len=512, tpot=None, ttft_ms=50.0, tpot_rse=0.005)])
+    (line,) = compare.compare(a, a, metric="ttft_ms").verdicts.to_dict("records")
+    assert line["verdict"] == "AMBIGUOUS" and line["note"] == "no spread recorded for A and B (no ttft_samples_ms)"
+
+
 def test_a_pair_without_the_metric_is_left_out_and_counted_in_a_note():
     a = pd.DataFrame([row("a-untimed", prompt_len=512, tpot=None)])  # a fragmentation point: no timing
     b = pd.DataFrame([row("b-untimed", prompt_len=512, tpot=None)])
@@ -257,6 +270,11 @@ def test_fails_on_a_slow_pair_past_fail_on_only():
     comparison = compare.compare(*result_sets())
     assert compare.fails(comparison) and compare.fails(comparison, fail_on=0.2)
     assert not compare.fails(comparison, fail_on=0.5)
+
+
+def test_fails_on_a_throughput_drop_past_fail_on_only():
+    comparison = compare.compare(*result_sets(), metric="decode_tok_s")  # the SLOW pair: 1/1.3 the throughput
+    assert compare.fails(comparison, fail_on=0.2) and not compare.fails(comparison, fail_on=0.5)
 
 
 # ------------------------------------------------------------------------------------------------------------- cli

@@ -5,9 +5,11 @@ Compare page.)
 
 The ok rows of A and B are paired by the workload key (schema.POINT_KEY_COLUMNS). For each pair the ratio B/A of
 the metric's medians gets a bootstrap confidence interval from the per-repeat samples (harness.stats.ratio_ci), and
-a verdict, after nvbench's compare script (NVIDIA/nvbench, scripts/nvbench_compare.py): there a difference within
-the smaller side's relative noise is SAME, beyond it FAST or SLOW by its sign, and a side without a noise figure
-gives "????" (unknown). Here the noise enters twice, once through the interval and once through the threshold:
+a verdict, after nvbench's compare script (NVIDIA/nvbench, scripts/nvbench_compare.py, compare_benches): there a
+relative difference of the mean times within the smaller of the two sides' relative noise (sd / mean of the samples)
+is SAME, beyond it FAST or SLOW by its sign, and a pair without a noise figure on either side is "????" (unknown);
+its --threshold-diff only hides small differences from the table. Here the noise enters twice, once through the
+interval and once through the band, and the threshold given sets the band's least width:
 
     t = max(threshold, NOISE_FACTOR × the larger side's median_rse)
     SAME       the whole interval lies within [1 - t, 1 + t]
@@ -52,11 +54,14 @@ class Metric:
     samples_column: str  # its per-repeat samples (a list column)
     higher_is_better: bool
     unit: str
+    # Where a row without samples (older than the list columns) recorded its spread: tpot_rse, else tpot_cv with
+    # repeats. TTFT has none.
+    recorded_spread: bool = True
 
 
 METRICS = {
     "tpot_ms": Metric("tpot_ms", "tpot_samples_ms", higher_is_better=False, unit="ms"),
-    "ttft_ms": Metric("ttft_ms", "ttft_samples_ms", higher_is_better=False, unit="ms"),
+    "ttft_ms": Metric("ttft_ms", "ttft_samples_ms", higher_is_better=False, unit="ms", recorded_spread=False),
     # Per repeat, batch_size × 1000 / tpot_ms (harness.timing.summarize's decode_tok_s, one repeat at a time).
     "decode_tok_s": Metric("decode_tok_s", "tpot_samples_ms", higher_is_better=True, unit="tok/s"),
 }
@@ -239,7 +244,8 @@ def _compare_one(a: pd.Series, b: pd.Series, *, spec: Metric, threshold: float, 
         notes.append("no samples: normal approximation from tpot_rse or tpot_cv")
         if not math.isfinite(noise):
             missing = [side for side, rse in (("A", rse_a), ("B", rse_b)) if not math.isfinite(rse)]
-            notes[-1] = f"no spread recorded for {' and '.join(missing)} (no samples, tpot_rse or tpot_cv)"
+            fallback = ", tpot_rse or tpot_cv" if spec.recorded_spread else ""
+            notes[-1] = f"no spread recorded for {' and '.join(missing)} (no {spec.samples_column}{fallback})"
     band = max(threshold, NOISE_FACTOR * noise)
     return {
         "a_median": median_a,
@@ -263,7 +269,7 @@ def _samples(row: pd.Series, spec: Metric) -> list[float] | None:
     """The row's per-repeat samples in the metric's unit; None when fewer than two were kept (nothing to
     resample)."""
     values = row.get(spec.samples_column)
-    if values is None or isinstance(values, float) or len(values) < 2:
+    if not isinstance(values, (list, tuple, np.ndarray)) or len(values) < 2:  # null: an older row
         return None
     values = [float(v) for v in values]
     if spec.column == "decode_tok_s":
@@ -273,12 +279,12 @@ def _samples(row: pd.Series, spec: Metric) -> list[float] | None:
 
 def _median_and_rse(row: pd.Series, samples: list[float] | None, spec: Metric) -> tuple[float, float]:
     """The row's median and the relative standard error of it: from its samples, else from tpot_rse, else
-    MEDIAN_SE_FACTOR × tpot_cv / √repeats; inf when none is recorded. TTFT has no recorded spread but its samples.
-    decode_tok_s takes TPOT's: a reciprocal has the same relative error, to first order."""
+    MEDIAN_SE_FACTOR × tpot_cv / √repeats; inf when none is recorded. decode_tok_s takes TPOT's: a reciprocal has
+    the same relative error, to first order."""
     if samples is not None:
         return float(np.median(samples)), stats.median_rse(samples)
     median = _number(row.get(spec.column))
-    if spec.column == "ttft_ms":
+    if not spec.recorded_spread:
         return median, math.inf
     rse, cv, repeats = _number(row.get("tpot_rse")), _number(row.get("tpot_cv")), _number(row.get("repeats"))
     if math.isfinite(rse):
