@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from harness.store import compare, diff, disk, maintain
+from harness.store.atomic import atomic_write
 from harness.store.schema import columns_markdown
 from harness.store.summary import format_summary
 
@@ -120,7 +121,7 @@ def compare_command(args: argparse.Namespace) -> int:
     if args.out is None:
         print(text, end="")
     else:
-        args.out.write_text(text)
+        atomic_write(args.out, lambda f: f.write(text.encode()))  # the one atomic writer: never half a table
         print(compare.summary_line(result, a_name=str(args.a), b_name=str(args.b)))
     return 1 if compare.fails(result, fail_on=options["fail_on"]) else 0
 
