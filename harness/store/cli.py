@@ -5,6 +5,8 @@
     kvbench-results columns          # the Markdown table the README embeds
     kvbench-results compact results/ # one file per sweep folder instead of one per point
     kvbench-results diff results/ 3f2a 9c1e   # what changed between two rows (config, environment)
+    kvbench-results compare results/main/ results/branch/ --fail-on 0.05   # FAST/SLOW/SAME/AMBIGUOUS per point
+    kvbench-results compare a.parquet b.parquet --metric ttft_ms --format csv --out verdicts.csv
 
 `python -m harness.store ...` is the same command without the installed console script.
 """
@@ -16,7 +18,8 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness.store import diff, disk, maintain
+from harness.store import compare, diff, disk, maintain
+from harness.store.atomic import atomic_write
 from harness.store.schema import columns_markdown
 from harness.store.summary import format_summary
 
@@ -42,6 +45,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     diff_parser.add_argument("src", type=Path, help="results directory (searched recursively) or .parquet file")
     diff_parser.add_argument("a", help="a point_id, or a unique prefix of one")
     diff_parser.add_argument("b", help="another point_id, or a unique prefix of one")
+    compare_parser = commands.add_parser(
+        "compare", help="A/B verdicts (FAST, SLOW, SAME, AMBIGUOUS) per point paired by workload key"
+    )
+    compare_parser.add_argument("a", type=Path, help="baseline: results directory, sweep folder or .parquet file")
+    compare_parser.add_argument("b", type=Path, help="candidate, as A; the ratio is B/A")
+    compare_parser.add_argument("--metric", default="tpot_ms", help=f"one of {', '.join(compare.METRICS)}")
+    compare_parser.add_argument(
+        "--threshold", default=str(compare.DEFAULT_THRESHOLD), help="smallest relative change given a verdict"
+    )
+    compare_parser.add_argument("--confidence", default=str(compare.DEFAULT_CONFIDENCE), help="of the ratio's CI")
+    compare_parser.add_argument("--format", default="md", help=f"one of {', '.join(compare.FORMATS)}")
+    compare_parser.add_argument("--out", type=Path, help="write the table to this file instead of stdout")
+    compare_parser.add_argument(
+        "--fail-on", default="0", help="exit 1 only when a SLOW pair is more than this fraction slower (0.05: 5%%)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -63,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             if not lines:
                 print(f"{args.results_dir}: nothing to compact")
+        elif args.command == "compare":
+            return compare_command(args)
         elif args.command == "diff":
             indexed = disk.index(args.src)  # only the two rows' files are then read whole
             a, b = (
@@ -75,3 +95,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("%s", exc)
         return 2
     return 0
+
+
+def compare_command(args: argparse.Namespace) -> int:
+    """`compare A B`: every option checked before any row is read; 1 when a SLOW pair is past --fail-on."""
+    options = {name: _fraction(getattr(args, name), f"--{name.replace('_', '-')}") for name in _FRACTIONS}
+    compare.check_options(metric=args.metric, **options)
+    if args.format not in compare.FORMATS:
+        raise ValueError(f"--format: {args.format!r} is not one of {', '.join(compare.FORMATS)}")
+    sides = []
+    for path, name in ((args.a, "A"), (args.b, "B")):
+        if not path.exists():
+            raise ValueError(f"{name}: {path} does not exist; allowed: a results directory, sweep folder or .parquet")
+        rows = disk.load(path)
+        if rows.empty:
+            raise ValueError(f"{name}: no result rows under {path}")
+        sides.append(rows)
+    result = compare.compare(
+        *sides, metric=args.metric, threshold=options["threshold"], confidence=options["confidence"]
+    )
+    if args.format == "md":
+        text = compare.to_markdown(result, a_name=str(args.a), b_name=str(args.b))
+    else:
+        text = compare.to_csv(result)
+    if args.out is None:
+        print(text, end="")
+    else:
+        atomic_write(args.out, lambda f: f.write(text.encode()))  # the one atomic writer: never half a table
+        print(compare.summary_line(result, a_name=str(args.a), b_name=str(args.b)))
+    return 1 if compare.fails(result, fail_on=options["fail_on"]) else 0
+
+
+_FRACTIONS = ("threshold", "confidence", "fail_on")  # compare's number options, parsed here for a one-line error
+
+
+def _fraction(text: str, argument: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{argument}: {text!r} is not a number; allowed: a fraction, e.g. 0.02") from None

@@ -1,0 +1,358 @@
+"""A/B verdicts: did B make each point faster, slower, or neither? (`kvbench-results compare A B`, the dashboard's
+Compare page.)
+
+    kvbench-results compare results/main/ results/branch/ --metric tpot_ms --fail-on 0.05
+
+The ok rows of A and B are paired by the workload key (schema.POINT_KEY_COLUMNS). For each pair the ratio B/A of
+the metric's medians gets a bootstrap confidence interval from the per-repeat samples (harness.stats.ratio_ci), and
+a verdict, after nvbench's compare script (NVIDIA/nvbench, scripts/nvbench_compare.py, compare_benches): there a
+relative difference of the mean times within the smaller of the two sides' relative noise (sd / mean of the samples)
+is SAME, beyond it FAST or SLOW by its sign, and a pair without a noise figure on either side is "????" (unknown);
+its --threshold-diff only hides small differences from the table. Here the noise enters twice, once through the
+interval and once through the band, and the threshold given sets the band's least width:
+
+    t = max(threshold, NOISE_FACTOR × the larger side's median_rse)
+    SAME       the whole interval lies within [1 - t, 1 + t]
+    SLOW       the whole interval lies above 1 + t    (FAST for a higher-is-better metric, decode_tok_s)
+    FAST       the whole interval lies below 1 - t    (SLOW for a higher-is-better metric)
+    AMBIGUOUS  the interval crosses an edge of the band (the noise overlaps the threshold), or there is no spread
+
+Torch-free (numpy, pandas), so that the dashboard computes the very verdicts the command prints.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import statistics
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from harness import stats
+from harness.store.schema import POINT_KEY_COLUMNS
+
+FAST, SLOW, SAME, AMBIGUOUS = "FAST", "SLOW", "SAME", "AMBIGUOUS"
+VERDICTS = (FAST, SLOW, SAME, AMBIGUOUS)
+# A relative difference below 2% is not worth a verdict: it is about the run-to-run drift of a median TPOT on one
+# quiet machine (turbo and cache state), and nvbench's users gate on 2 to 5% for the same reason.
+DEFAULT_THRESHOLD = 0.02
+# The band is also at least two standard errors of the noisier median: a shift that small is what a rerun of the
+# same point could show (2 ~ the 95% normal quantile 1.96), and it guards the percentile bootstrap, whose interval
+# is too narrow at the 3 to 5 repeats a converged point may have (its resampled medians take a few values only).
+NOISE_FACTOR = 2.0
+DEFAULT_CONFIDENCE = 0.95
+MEDIAN_SE_FACTOR = math.sqrt(math.pi / 2)  # 1.2533: the standard error of a normal sample's median, in sd/√n
+FORMATS = ("md", "csv")
+LABEL_ALWAYS = ("cache", "kv_dtype")  # named in every pair's label, even when every pair shares them
+
+
+@dataclass(frozen=True)
+class Metric:
+    column: str  # the row's median figure
+    samples_column: str  # its per-repeat samples (a list column)
+    higher_is_better: bool
+    unit: str
+    # Where a row without samples (older than the list columns) recorded its spread: tpot_rse, else tpot_cv with
+    # repeats. TTFT has none.
+    recorded_spread: bool = True
+
+
+METRICS = {
+    "tpot_ms": Metric("tpot_ms", "tpot_samples_ms", higher_is_better=False, unit="ms"),
+    "ttft_ms": Metric("ttft_ms", "ttft_samples_ms", higher_is_better=False, unit="ms", recorded_spread=False),
+    # Per repeat, batch_size × 1000 / tpot_ms (harness.timing.summarize's decode_tok_s, one repeat at a time).
+    "decode_tok_s": Metric("decode_tok_s", "tpot_samples_ms", higher_is_better=True, unit="tok/s"),
+}
+VERDICT_COLUMNS = (
+    "workload",
+    "a_median",
+    "b_median",
+    "ratio",
+    "ci_low",
+    "ci_high",
+    "threshold",
+    "verdict",
+    "note",
+    "a_point_id",
+    "b_point_id",
+)
+
+
+def check_options(*, metric: str, threshold: float, confidence: float, fail_on: float = 0.0) -> None:
+    """ValueError, one line naming the argument and its allowed values, before any row is read."""
+    if metric not in METRICS:
+        raise ValueError(f"--metric: {metric!r} is not one of {', '.join(METRICS)}")
+    if not (math.isfinite(threshold) and threshold >= 0):
+        raise ValueError(f"--threshold: must be a fraction >= 0 (0.02 is 2%), got {threshold}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"--confidence: must be in (0, 1), e.g. 0.95, got {confidence}")
+    if not (math.isfinite(fail_on) and fail_on >= 0):
+        raise ValueError(f"--fail-on: must be a fraction >= 0 (0.05 tolerates 5%), got {fail_on}")
+
+
+# ------------------------------------------------------------------------------------------------------- pairing
+
+
+@dataclass(frozen=True)
+class Pairs:
+    a: pd.DataFrame  # one row per paired key, aligned with b row by row (fresh index)
+    b: pd.DataFrame
+    only_a: pd.DataFrame  # the key columns of the ok rows whose key B lacks
+    only_b: pd.DataFrame
+    notes: tuple[str, ...]  # what pairing chose: the latest of several rows for one key
+
+
+def pair(a_rows: pd.DataFrame, b_rows: pd.DataFrame) -> Pairs:
+    """The ok rows of A and B paired by POINT_KEY_COLUMNS, nulls equal to nulls. Of several rows for one key on a
+    side (reruns), the latest by started_at is taken and a note says so; a key on one side only is listed."""
+    notes: list[str] = []
+    a, b = (_latest_per_key(rows, side=side, notes=notes) for rows, side in ((a_rows, "A"), (b_rows, "B")))
+    both = [key for key in a.index if key in b.index]
+    return Pairs(
+        a=a.loc[both].reset_index(drop=True),
+        b=b.loc[both].reset_index(drop=True),
+        only_a=a.loc[[key for key in a.index if key not in b.index], list(POINT_KEY_COLUMNS)].reset_index(drop=True),
+        only_b=b.loc[[key for key in b.index if key not in a.index], list(POINT_KEY_COLUMNS)].reset_index(drop=True),
+        notes=tuple(notes),
+    )
+
+
+def _latest_per_key(rows: pd.DataFrame, *, side: str, notes: list[str]) -> pd.DataFrame:
+    """The ok rows indexed by their key tuple, one per key (the latest started_at; a null started_at is oldest)."""
+    rows = rows.reindex(columns=list(dict.fromkeys([*rows.columns, *POINT_KEY_COLUMNS, "status", "started_at"])))
+    ok = rows[rows["status"].eq("ok").fillna(False).astype(bool).to_numpy()]
+    keys = pd.Series([_key(values) for values in ok[list(POINT_KEY_COLUMNS)].itertuples(index=False)], index=ok.index)
+    counts = keys.value_counts()
+    for key, count in counts[counts > 1].items():
+        notes.append(f"{side}: {count} rows for {_key_text(key)}; took the latest by started_at")
+    order = ok["started_at"].astype(object).where(ok["started_at"].notna(), "").astype(str).argsort(kind="stable")
+    latest = ok.iloc[order].assign(_key=keys.iloc[order].to_numpy()).drop_duplicates("_key", keep="last")
+    return latest.set_index("_key", drop=True)
+
+
+def _key(values: tuple) -> tuple:
+    """One row's key as plain values: a null is None whatever its dtype, and 512.0 (a float column) equals 512."""
+    plain = []
+    for value in values:
+        if value is None or (not isinstance(value, (list, tuple, np.ndarray)) and pd.isna(value)):
+            plain.append(None)
+        elif isinstance(value, (float, np.floating)) and float(value).is_integer():
+            plain.append(int(value))
+        elif isinstance(value, (np.integer, np.bool_)):
+            plain.append(value.item())
+        else:
+            plain.append(value)
+    return tuple(plain)
+
+
+def _key_text(key: tuple) -> str:
+    return " ".join(f"{name}={value}" for name, value in zip(POINT_KEY_COLUMNS, key, strict=True) if value is not None)
+
+
+def workload_labels(keys: pd.DataFrame) -> pd.Series:
+    """A label per line naming the key columns that differ between the lines (and LABEL_ALWAYS): 'cache=paged
+    kv_dtype=bf16 prompt_len=512'. Nulls are left out."""
+    varying = [c for c in POINT_KEY_COLUMNS if c not in LABEL_ALWAYS and keys[c].astype(str).nunique() > 1]
+    shown = [*LABEL_ALWAYS, *varying]
+    parts = []
+    for values in keys[shown].itertuples(index=False):
+        key = _key(tuple(values))
+        parts.append(" ".join(f"{name}={value}" for name, value in zip(shown, key, strict=True) if value is not None))
+    return pd.Series(parts, index=keys.index, dtype=object)
+
+
+# ------------------------------------------------------------------------------------------------------ verdicts
+
+
+@dataclass(frozen=True)
+class Comparison:
+    metric: str
+    verdicts: pd.DataFrame  # VERDICT_COLUMNS, then the key columns; one line per pair
+    only_a: pd.DataFrame  # the key columns and a workload label, per key A alone has
+    only_b: pd.DataFrame
+    notes: tuple[str, ...]
+
+    def counts(self) -> dict[str, int]:
+        found = self.verdicts["verdict"].value_counts()
+        return {verdict: int(found.get(verdict, 0)) for verdict in VERDICTS}
+
+
+def compare(
+    a_rows: pd.DataFrame,
+    b_rows: pd.DataFrame,
+    *,
+    metric: str = "tpot_ms",
+    threshold: float = DEFAULT_THRESHOLD,
+    confidence: float = DEFAULT_CONFIDENCE,
+) -> Comparison:
+    """Pair A's and B's ok rows and give each pair its ratio B/A, interval, threshold and verdict."""
+    check_options(metric=metric, threshold=threshold, confidence=confidence)
+    spec = METRICS[metric]
+    pairs = pair(a_rows, b_rows)
+    lines, measured = [], []
+    for (_, a), (_, b) in zip(pairs.a.iterrows(), pairs.b.iterrows(), strict=True):
+        # A pair without the metric on a side (a point that was not timed: fragmentation, capacity) has nothing
+        # to compare; nvbench's compare skips such states too.
+        measured.append(_has_metric(a, spec) and _has_metric(b, spec))
+        if measured[-1]:
+            lines.append(_compare_one(a, b, spec=spec, threshold=threshold, confidence=confidence))
+    unmeasured = measured.count(False)
+    notes = pairs.notes + ((f"{unmeasured} pairs left out: no {metric} on one side or both",) if unmeasured else ())
+    keys = pairs.a.loc[measured, list(POINT_KEY_COLUMNS)].reset_index(drop=True)
+    # One labelling of every key, paired or not, so that a key reads the same in the table and the unpaired list.
+    labels = workload_labels(pd.concat([keys, pairs.only_a, pairs.only_b], ignore_index=True)).to_numpy()
+    ends = np.cumsum([len(keys), len(pairs.only_a)])
+    verdicts = pd.DataFrame(lines, columns=[c for c in VERDICT_COLUMNS if c != "workload"])
+    verdicts.insert(0, "workload", pd.Series(labels[: ends[0]], dtype=object))
+    verdicts = pd.concat([verdicts, keys], axis=1)
+    only_a = pairs.only_a.assign(workload=labels[ends[0] : ends[1]])
+    only_b = pairs.only_b.assign(workload=labels[ends[1] :])
+    return Comparison(metric=metric, verdicts=verdicts, only_a=only_a, only_b=only_b, notes=notes)
+
+
+def verdict(*, low: float, high: float, threshold: float, higher_is_better: bool = False) -> str:
+    """The verdict of an interval [low, high] of the ratio B/A against the band [1 - threshold, 1 + threshold]."""
+    if not (math.isfinite(low) and math.isfinite(high) and math.isfinite(threshold)):
+        return AMBIGUOUS
+    if 1 - threshold <= low and high <= 1 + threshold:
+        return SAME
+    if low > 1 + threshold:
+        return FAST if higher_is_better else SLOW
+    if high < 1 - threshold:
+        return SLOW if higher_is_better else FAST
+    return AMBIGUOUS
+
+
+def _compare_one(a: pd.Series, b: pd.Series, *, spec: Metric, threshold: float, confidence: float) -> dict:
+    samples_a, samples_b = _samples(a, spec), _samples(b, spec)
+    # converged: null is "not recorded" (rows older than the column), never False
+    notes = [f"{side} not converged" for side, row in (("A", a), ("B", b)) if _recorded_false(row.get("converged"))]
+    if samples_a is not None and samples_b is not None:
+        median_a, median_b = float(np.median(samples_a)), float(np.median(samples_b))
+        ratio, low, high = stats.ratio_ci(samples_a, samples_b, confidence=confidence)
+        noise = max(stats.median_rse(samples_a), stats.median_rse(samples_b))
+    else:
+        # Older rows keep no samples: a normal approximation on log(ratio) from each side's recorded spread.
+        (median_a, rse_a), (median_b, rse_b) = _median_and_rse(a, samples_a, spec), _median_and_rse(b, samples_b, spec)
+        ratio = median_b / median_a if median_a > 0 else math.nan
+        noise = max(rse_a, rse_b)
+        z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
+        spread = z * math.sqrt(rse_a**2 + rse_b**2)
+        low, high = ratio * math.exp(-spread), ratio * math.exp(spread)
+        notes.append("no samples: normal approximation from tpot_rse or tpot_cv")
+        if not math.isfinite(noise):
+            missing = [side for side, rse in (("A", rse_a), ("B", rse_b)) if not math.isfinite(rse)]
+            fallback = ", tpot_rse or tpot_cv" if spec.recorded_spread else ""
+            notes[-1] = f"no spread recorded for {' and '.join(missing)} (no {spec.samples_column}{fallback})"
+    band = max(threshold, NOISE_FACTOR * noise)
+    return {
+        "a_median": median_a,
+        "b_median": median_b,
+        "ratio": ratio,
+        "ci_low": low,
+        "ci_high": high,
+        "threshold": band,
+        "verdict": verdict(low=low, high=high, threshold=band, higher_is_better=spec.higher_is_better),
+        "note": "; ".join(notes),
+        "a_point_id": a.get("point_id"),
+        "b_point_id": b.get("point_id"),
+    }
+
+
+def _has_metric(row: pd.Series, spec: Metric) -> bool:
+    return _samples(row, spec) is not None or math.isfinite(_number(row.get(spec.column)))
+
+
+def _samples(row: pd.Series, spec: Metric) -> list[float] | None:
+    """The row's per-repeat samples in the metric's unit; None when fewer than two were kept (nothing to
+    resample)."""
+    values = row.get(spec.samples_column)
+    if not isinstance(values, (list, tuple, np.ndarray)) or len(values) < 2:  # null: an older row
+        return None
+    values = [float(v) for v in values]
+    if spec.column == "decode_tok_s":
+        return [float(row["batch_size"]) * 1e3 / tpot_ms for tpot_ms in values]
+    return values
+
+
+def _median_and_rse(row: pd.Series, samples: list[float] | None, spec: Metric) -> tuple[float, float]:
+    """The row's median and the relative standard error of it: from its samples, else from tpot_rse, else
+    MEDIAN_SE_FACTOR × tpot_cv / √repeats; inf when none is recorded. decode_tok_s takes TPOT's: a reciprocal has
+    the same relative error, to first order."""
+    if samples is not None:
+        return float(np.median(samples)), stats.median_rse(samples)
+    median = _number(row.get(spec.column))
+    if not spec.recorded_spread:
+        return median, math.inf
+    rse, cv, repeats = _number(row.get("tpot_rse")), _number(row.get("tpot_cv")), _number(row.get("repeats"))
+    if math.isfinite(rse):
+        return median, rse
+    if math.isfinite(cv) and repeats >= 2:
+        return median, MEDIAN_SE_FACTOR * cv / math.sqrt(repeats)
+    return median, math.inf
+
+
+def _recorded_false(value: object) -> bool:
+    return value is not None and not pd.isna(value) and not bool(value)
+
+
+def _number(value: object) -> float:
+    try:
+        return math.nan if value is None or pd.isna(value) else float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+# ------------------------------------------------------------------------------------------------------- outputs
+
+
+def fails(comparison: Comparison, *, fail_on: float = 0.0) -> bool:
+    """Some SLOW pair is slower than 1 + fail_on times A (for decode_tok_s: A's throughput over B's)."""
+    slow = comparison.verdicts[comparison.verdicts["verdict"] == SLOW]
+    slowdown = 1 / slow["ratio"] if METRICS[comparison.metric].higher_is_better else slow["ratio"]
+    return bool((slowdown > 1 + fail_on).any())
+
+
+def summary_line(comparison: Comparison, *, a_name: str, b_name: str) -> str:
+    counts = ", ".join(f"{n} {verdict}" for verdict, n in comparison.counts().items())
+    return (
+        f"{comparison.metric}, B/A: A = {a_name}, B = {b_name}; {len(comparison.verdicts)} pairs: {counts}; "
+        f"{len(comparison.only_a)} only in A, {len(comparison.only_b)} only in B"
+    )
+
+
+def to_markdown(comparison: Comparison, *, a_name: str, b_name: str) -> str:
+    """For a PR comment: a header line with the sources and the counts, then one table line per pair, then the
+    unpaired keys and the pairing notes."""
+    unit = METRICS[comparison.metric].unit
+    lines = [f"**kvbench compare** {summary_line(comparison, a_name=a_name, b_name=b_name)}", ""]
+    if len(comparison.verdicts):
+        lines += [
+            f"| workload | A ({unit}) | B ({unit}) | B/A | CI | threshold | verdict | note |",
+            "|---|---:|---:|---:|---|---:|---|---|",
+        ]
+        for line in comparison.verdicts.itertuples(index=False):
+            lines.append(
+                f"| {_cell(line.workload)} | {line.a_median:.4g} | {line.b_median:.4g} | {line.ratio:.3f} | "
+                f"[{line.ci_low:.3f}, {line.ci_high:.3f}] | ±{line.threshold:.1%} | **{line.verdict}** | "
+                f"{_cell(line.note)} |"
+            )
+    else:
+        lines.append("No pairs: no ok row of A has the workload key of an ok row of B.")
+    for side, unpaired in (("A", comparison.only_a), ("B", comparison.only_b)):
+        lines += [f"- only in {side}: {label}" for label in unpaired["workload"]]
+    lines += [f"- {note}" for note in comparison.notes]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", r"\|")  # a bare pipe would split the Markdown cell
+
+
+def to_csv(comparison: Comparison) -> str:
+    """One line per pair: VERDICT_COLUMNS, then the key columns."""
+    buffer = io.StringIO()
+    comparison.verdicts.to_csv(buffer, index=False)
+    return buffer.getvalue()

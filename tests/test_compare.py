@@ -1,0 +1,330 @@
+"""`kvbench-results compare A B` (harness/store/compare.py): pairs by workload key, and FAST / SLOW / SAME /
+AMBIGUOUS verdicts on synthetic result sets whose differences are known."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from harness.store import cli, compare, disk
+
+REPEATS = 10
+# Per prompt_len, the known truth: (A's TPOT, B's TPOT, relative noise of one repeat) in ms, ms, fraction.
+FAST_PROMPT, SLOW_PROMPT, SAME_PROMPT, NOISY_PROMPT = 128, 256, 512, 1024
+KNOWN = {
+    FAST_PROMPT: (10.0, 7.0, 0.01),  # a 30% speed-up
+    SLOW_PROMPT: (10.0, 13.0, 0.01),  # a 30% slow-down
+    SAME_PROMPT: (10.0, 10.0, 0.005),  # one distribution, tight
+    NOISY_PROMPT: (10.0, 10.3, 0.10),  # a 3% shift in 10% noise: the interval crosses the band's edge
+}
+ONLY_A_PROMPT, ONLY_B_PROMPT = 2048, 4096
+
+
+def samples(median_ms: float, noise: float, *, seed: int) -> list[float]:
+    """REPEATS per-repeat TPOTs around median_ms, normal with a relative sd of `noise` (seeded)."""
+    return list(median_ms * (1 + noise * np.random.default_rng(seed).standard_normal(REPEATS)))
+
+
+def row(point_id: str, *, prompt_len: int, tpot: list[float] | None, **overrides) -> dict:
+    """One ok row of small bf16 contiguous on a CPU, batch 2."""
+    return {
+        "point_id": point_id,
+        "sweep_id": point_id.split("-")[0],
+        "status": "ok",
+        "model": "small",
+        "weights": "dummy",
+        "device": "cpu",
+        "dtype": "bf16",
+        "kv_dtype": "bf16",
+        "cache": "contiguous",
+        "batch_size": 2,
+        "prompt_len": prompt_len,
+        "gen_len": 32,
+        "prefix_len": 0,
+        "lengths": "fixed",
+        "compile": "none",
+        "runner": "kvbench",
+        "tpot_ms": float(np.median(tpot)) if tpot else None,
+        "tpot_samples_ms": tpot,
+        "ttft_samples_ms": tpot,
+        "repeats": len(tpot) if tpot else None,
+        "started_at": "2026-12-01T10:00:00",
+    } | overrides
+
+
+def result_sets() -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A and B: the four KNOWN pairs, one key only in A, one only in B, and a failed row in B (ignored)."""
+    a, b = [], []
+    for i, (prompt_len, (a_ms, b_ms, noise)) in enumerate(KNOWN.items()):
+        a.append(row(f"a-{prompt_len}", prompt_len=prompt_len, tpot=samples(a_ms, noise, seed=i)))
+        b.append(row(f"b-{prompt_len}", prompt_len=prompt_len, tpot=samples(b_ms, noise, seed=100 + i)))
+    a.append(row("a-only", prompt_len=ONLY_A_PROMPT, tpot=samples(10.0, 0.01, seed=7)))
+    b.append(row("b-only", prompt_len=ONLY_B_PROMPT, tpot=samples(10.0, 0.01, seed=8)))
+    b.append(row("b-oom", prompt_len=ONLY_A_PROMPT, tpot=None, status="oom"))
+    return pd.DataFrame(a), pd.DataFrame(b)
+
+
+def verdict_of(comparison: compare.Comparison, prompt_len: int) -> pd.Series:
+    (line,) = comparison.verdicts[comparison.verdicts["prompt_len"] == prompt_len].itertuples(index=False)
+    return pd.Series(line._asdict())
+
+
+@pytest.fixture
+def sweep_dirs(tmp_path):
+    """A and B written as sweep folders with harness.store.disk.write_point, as a sweep leaves them."""
+    a, b = result_sets()
+    for name, rows in (("a", a), ("b", b)):
+        for record in rows.to_dict("records"):
+            disk.write_point(record, tmp_path / name)
+    return tmp_path / "a", tmp_path / "b"
+
+
+# -------------------------------------------------------------------------------------------------------- verdicts
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "expected"),
+    [(FAST_PROMPT, "FAST"), (SLOW_PROMPT, "SLOW"), (SAME_PROMPT, "SAME"), (NOISY_PROMPT, "AMBIGUOUS")],
+)
+def test_each_known_difference_gets_its_verdict(prompt_len, expected):
+    line = verdict_of(compare.compare(*result_sets()), prompt_len)
+    assert line["verdict"] == expected
+    a_ms, b_ms, noise = KNOWN[prompt_len]
+    assert line["ci_low"] <= line["ratio"] <= line["ci_high"]
+    # the ratio's standard error is about 1.25 × noise × √(2 / 10 repeats) = 0.56 × noise: 3 × noise is 5 of them
+    assert line["ratio"] == pytest.approx(b_ms / a_ms, rel=3 * noise)
+    assert line["a_point_id"] == f"a-{prompt_len}" and line["b_point_id"] == f"b-{prompt_len}"
+
+
+def test_the_noisy_pair_is_ambiguous_because_its_interval_crosses_the_band_edge():
+    line = verdict_of(compare.compare(*result_sets()), NOISY_PROMPT)
+    band = line["threshold"]
+    assert band > compare.DEFAULT_THRESHOLD  # the samples' own noise widened it
+    assert line["ci_low"] < 1 + band < line["ci_high"] or line["ci_low"] < 1 - band < line["ci_high"]
+
+
+def test_tight_pairs_use_the_threshold_given_as_the_band():
+    comparison = compare.compare(*result_sets(), threshold=0.05)
+    assert verdict_of(comparison, SAME_PROMPT)["threshold"] == 0.05
+
+
+def test_a_threshold_above_the_change_makes_it_same():
+    assert verdict_of(compare.compare(*result_sets(), threshold=0.5), SLOW_PROMPT)["verdict"] == "SAME"
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "expected"),
+    [
+        (0.99, 1.01, "SAME"),
+        (0.98, 1.02, "SAME"),  # the band's edges belong to it
+        (1.03, 1.10, "SLOW"),
+        (0.90, 0.97, "FAST"),
+        (1.01, 1.05, "AMBIGUOUS"),  # above 1, but not wholly past the band
+        (0.90, 1.10, "AMBIGUOUS"),
+        (math.nan, 1.0, "AMBIGUOUS"),
+    ],
+)
+def test_verdict_places_the_interval_against_the_band(low, high, expected):
+    assert compare.verdict(low=low, high=high, threshold=0.02) == expected
+
+
+def test_a_higher_is_better_metric_flips_fast_and_slow():
+    assert compare.verdict(low=1.1, high=1.2, threshold=0.02, higher_is_better=True) == "FAST"
+    comparison = compare.compare(*result_sets(), metric="decode_tok_s")
+    fast, slow = verdict_of(comparison, FAST_PROMPT), verdict_of(comparison, SLOW_PROMPT)
+    # decode_tok_s per repeat = batch_size × 1000 / tpot_ms: B's 30% lower TPOT is 1/0.7 the throughput
+    assert fast["verdict"] == "FAST" and fast["ratio"] == pytest.approx(1 / 0.7, rel=0.03)
+    assert slow["verdict"] == "SLOW" and slow["ratio"] == pytest.approx(1 / 1.3, rel=0.03)
+    assert fast["a_median"] == pytest.approx(2 * 1000 / 10.0, rel=0.03)
+
+
+def test_ttft_compares_the_ttft_samples():
+    a, b = result_sets()
+    b["ttft_samples_ms"] = [[2 * x for x in values] if values else None for values in b["ttft_samples_ms"]]
+    comparison = compare.compare(a, b, metric="ttft_ms")
+    assert verdict_of(comparison, SAME_PROMPT)["verdict"] == "SLOW"
+    assert verdict_of(comparison, SAME_PROMPT)["ratio"] == pytest.approx(2.0, rel=0.02)
+
+
+def test_rows_without_samples_fall_back_on_tpot_rse_with_a_note():
+    a = pd.DataFrame([row("a-old", prompt_len=512, tpot=None, tpot_ms=10.0, tpot_rse=0.005)])
+    b = pd.DataFrame([row("b-old", prompt_len=512, tpot=None, tpot_ms=13.0, tpot_cv=0.01, repeats=5)])
+    (line,) = compare.compare(a, b).verdicts.to_dict("records")
+    assert line["verdict"] == "SLOW" and line["ratio"] == pytest.approx(1.3)
+    assert line["ci_low"] < 1.3 < line["ci_high"] and "normal approximation" in line["note"]
+
+
+def test_a_row_without_samples_or_spread_is_ambiguous_and_says_why():
+    a = pd.DataFrame([row("a-old", prompt_len=512, tpot=None, tpot_ms=10.0)])
+    b = pd.DataFrame([row("b-new", prompt_len=512, tpot=samples(20.0, 0.01, seed=1))])
+    (line,) = compare.compare(a, b).verdicts.to_dict("records")
+    assert line["verdict"] == "AMBIGUOUS" and "no spread recorded for A" in line["note"]
+
+
+def test_a_row_with_samples_beside_one_without_uses_both_spreads_in_the_approximation():
+    a = pd.DataFrame([row("a-old", prompt_len=512, tpot=None, tpot_ms=10.0, tpot_rse=0.005)])
+    b = pd.DataFrame([row("b-new", prompt_len=512, tpot=samples(13.0, 0.01, seed=1))])
+    (line,) = compare.compare(a, b).verdicts.to_dict("records")
+    assert line["verdict"] == "SLOW" and "normal approximation" in line["note"]
+
+
+def test_ttft_without_samples_has_no_recorded_spread():
+    a = pd.DataFrame([row("a-old", prompt_len=512, tpot=None, ttft_ms=50.0, tpot_rse=0.005)])
+    (line,) = compare.compare(a, a, metric="ttft_ms").verdicts.to_dict("records")
+    assert line["verdict"] == "AMBIGUOUS" and line["note"] == "no spread recorded for A and B (no ttft_samples_ms)"
+
+
+def test_a_pair_without_the_metric_is_left_out_and_counted_in_a_note():
+    a = pd.DataFrame([row("a-untimed", prompt_len=512, tpot=None)])  # a fragmentation point: no timing
+    b = pd.DataFrame([row("b-untimed", prompt_len=512, tpot=None)])
+    comparison = compare.compare(a, b)
+    assert comparison.verdicts.empty and comparison.notes == ("1 pairs left out: no tpot_ms on one side or both",)
+
+
+def test_a_side_that_did_not_converge_is_noted():
+    a, b = result_sets()
+    b["converged"] = pd.array([False] + [None] * (len(b) - 1), dtype="boolean")  # null: not recorded, no note
+    comparison = compare.compare(a, b)
+    assert verdict_of(comparison, FAST_PROMPT)["note"] == "B not converged"
+    assert verdict_of(comparison, SLOW_PROMPT)["note"] == ""
+
+
+def test_bad_options_are_refused_with_one_line_naming_them():
+    with pytest.raises(ValueError, match=r"--metric: 'e2e' is not one of tpot_ms, ttft_ms, decode_tok_s"):
+        compare.compare(*result_sets(), metric="e2e")
+    with pytest.raises(ValueError, match=r"--threshold: must be a fraction >= 0"):
+        compare.compare(*result_sets(), threshold=-0.1)
+
+
+# --------------------------------------------------------------------------------------------------------- pairing
+
+
+def test_keys_on_one_side_only_are_listed_not_dropped():
+    comparison = compare.compare(*result_sets())
+    assert sorted(comparison.verdicts["prompt_len"]) == sorted(KNOWN)
+    assert comparison.only_a["prompt_len"].tolist() == [ONLY_A_PROMPT]  # B's oom row there does not pair
+    assert comparison.only_b["prompt_len"].tolist() == [ONLY_B_PROMPT]
+    assert f"prompt_len={ONLY_A_PROMPT}" in comparison.only_a["workload"].iloc[0]
+
+
+def test_nulls_in_the_key_pair_with_nulls_only():
+    tpot = samples(10.0, 0.01, seed=3)
+    a = pd.DataFrame([row("a-1", prompt_len=512, tpot=tpot, block_size=None)])
+    b = pd.DataFrame([row("b-1", prompt_len=512, tpot=tpot, block_size=None), row("b-2", prompt_len=512, tpot=tpot)])
+    b.loc[1, "block_size"] = 16
+    pairs = compare.pair(a, b)
+    assert pairs.b["point_id"].tolist() == ["b-1"] and pairs.only_b["block_size"].tolist() == [16]
+
+
+def test_of_several_rows_for_one_key_the_latest_is_taken_and_said():
+    tpot = samples(10.0, 0.01, seed=3)
+    a = pd.DataFrame([row("a-1", prompt_len=512, tpot=tpot)])
+    b = pd.DataFrame(
+        [
+            row("b-new", prompt_len=512, tpot=tpot, started_at="2026-12-02T00:00:00"),
+            row("b-old", prompt_len=512, tpot=tpot, started_at="2026-12-01T00:00:00"),
+        ]
+    )
+    pairs = compare.pair(a, b)
+    assert pairs.b["point_id"].tolist() == ["b-new"]
+    (note,) = pairs.notes
+    assert note.startswith("B: 2 rows for ") and "took the latest by started_at" in note
+
+
+# --------------------------------------------------------------------------------------------------------- outputs
+
+
+def test_markdown_has_a_header_with_sources_and_counts_then_one_line_per_pair():
+    comparison = compare.compare(*result_sets())
+    text = compare.to_markdown(comparison, a_name="results/main", b_name="results/branch")
+    header, blank, columns, rule, *table = text.splitlines()
+    assert header.startswith("**kvbench compare** tpot_ms") and "A = results/main, B = results/branch" in header
+    assert "4 pairs: 1 FAST, 1 SLOW, 1 SAME, 1 AMBIGUOUS; 1 only in A, 1 only in B" in header
+    assert columns.startswith("| workload | A (ms) | B (ms) | B/A | CI | threshold | verdict |")
+    pair_lines = [line for line in table if line.startswith("| ")]
+    assert len(pair_lines) == len(KNOWN)
+    slow = next(
+        line for line in pair_lines if line.startswith(f"| cache=contiguous kv_dtype=bf16 prompt_len={SLOW_PROMPT} |")
+    )
+    assert "**SLOW**" in slow and "±2.0%" in slow
+    assert f"- only in A: cache=contiguous kv_dtype=bf16 prompt_len={ONLY_A_PROMPT}" in table
+
+
+def test_csv_has_one_line_per_pair_with_the_verdict_and_the_key():
+    comparison = compare.compare(*result_sets())
+    lines = pd.read_csv(io.StringIO(compare.to_csv(comparison)))
+    assert list(lines.columns[: len(compare.VERDICT_COLUMNS)]) == list(compare.VERDICT_COLUMNS)
+    assert dict(zip(lines["prompt_len"], lines["verdict"], strict=True)) == {
+        FAST_PROMPT: "FAST",
+        SLOW_PROMPT: "SLOW",
+        SAME_PROMPT: "SAME",
+        NOISY_PROMPT: "AMBIGUOUS",
+    }
+
+
+def test_fails_on_a_slow_pair_past_fail_on_only():
+    comparison = compare.compare(*result_sets())
+    assert compare.fails(comparison) and compare.fails(comparison, fail_on=0.2)
+    assert not compare.fails(comparison, fail_on=0.5)
+
+
+def test_fails_on_a_throughput_drop_past_fail_on_only():
+    comparison = compare.compare(*result_sets(), metric="decode_tok_s")  # the SLOW pair: 1/1.3 the throughput
+    assert compare.fails(comparison, fail_on=0.2) and not compare.fails(comparison, fail_on=0.5)
+
+
+# ------------------------------------------------------------------------------------------------------------- cli
+
+
+def test_cli_compare_exits_1_on_a_slow_pair_and_prints_markdown(sweep_dirs, capsys):
+    a, b = sweep_dirs
+    assert cli.main(["compare", str(a), str(b)]) == 1
+    printed = capsys.readouterr().out
+    assert printed.startswith("**kvbench compare**") and "**SLOW**" in printed and "**AMBIGUOUS**" in printed
+
+
+def test_cli_compare_exits_0_with_a_fail_on_above_the_slow_down(sweep_dirs):
+    a, b = sweep_dirs
+    assert cli.main(["compare", str(a), str(b), "--fail-on", "0.5"]) == 0
+
+
+def test_cli_compare_exits_0_when_nothing_is_slower(sweep_dirs):
+    a, b = sweep_dirs
+    assert cli.main(["compare", str(a), str(a)]) == 0
+
+
+def test_cli_compare_writes_csv_to_out(sweep_dirs, tmp_path, capsys):
+    a, b = sweep_dirs
+    out = tmp_path / "verdicts.csv"
+    assert cli.main(["compare", str(a), str(b), "--format", "csv", "--out", str(out), "--fail-on", "1"]) == 0
+    assert sorted(pd.read_csv(out)["verdict"]) == ["AMBIGUOUS", "FAST", "SAME", "SLOW"]
+    assert "4 pairs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--metric", "e2e_ms"], "--metric: 'e2e_ms' is not one of tpot_ms, ttft_ms, decode_tok_s"),
+        (["--threshold", "x"], "--threshold: 'x' is not a number"),
+        (["--format", "json"], "--format: 'json' is not one of md, csv"),
+        (["--confidence", "95"], "--confidence: must be in (0, 1)"),
+    ],
+)
+def test_cli_compare_exits_2_on_a_bad_option_with_one_line(sweep_dirs, caplog, option, message):
+    a, b = sweep_dirs
+    assert cli.main(["compare", str(a), str(b), *option]) == 2
+    (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert message in record.getMessage() and "\n" not in record.getMessage()
+
+
+def test_cli_compare_exits_2_on_a_missing_or_empty_side(sweep_dirs, tmp_path, caplog):
+    a, _ = sweep_dirs
+    assert cli.main(["compare", str(a), str(tmp_path / "nowhere")]) == 2
+    assert "B: " in caplog.text and "does not exist" in caplog.text
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["compare", str(tmp_path / "empty"), str(a)]) == 2
+    assert "A: no result rows under" in caplog.text
