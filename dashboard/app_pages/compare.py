@@ -12,7 +12,8 @@ from harness.store.disk import MEASUREMENT_KEY
 st.title("Compare")
 st.caption(
     "Points of two sweeps paired by their workload key; B/A with a bootstrap interval from the repeats. "
-    "SAME: the interval lies within 1 ± t; SLOW or FAST: wholly beyond it; AMBIGUOUS: it crosses an edge. "
+    "SAME: the ratio lies within 1 ± t; SLOW or FAST: its whole interval lies beyond; AMBIGUOUS: past the band, "
+    "its interval reaching back into it. "
     "t is the larger of the threshold and twice the noisier side's relative standard error."
 )
 rows = page_rows()
