@@ -92,6 +92,8 @@ def run_point(cfg: RunConfig) -> PointResult:
             max_time_s=cfg.max_time_s,
             target_rse=cfg.target_rse,
         )
+        # The energy, clock and host-noise windows open after the warm-up (compilation included) and cover the kept
+        # attempt's measured generations only.
         measurement, host_columns, retries = measure_with_retry(
             run_once, policy=policy, retry_noisy=cfg.retry_noisy, probe=probe
         )
