@@ -111,13 +111,16 @@ def point_seconds(cfg: RunConfig, *, gpu: Gpu) -> float:
     """Upper bound on one point's wall time in a warm worker (harness.run.bench.run_point, harness.timing.measure).
 
     warm-up generations, then at least min_repeats and at most max_repeats, the budget max_time_s checked after
-    each one past min_repeats (so one generation may overrun it); the accuracy pass of a lossy point; the profiler
-    pass (one generation at most, and its start); the compilation of a compiled step; the model build. Not
-    counted: prefix caching's extra generations that measure a miss (no GPU preset uses it).
+    each one past min_repeats (so one generation may overrun it); with retry_noisy, the retry of a point that did
+    not converge, at twice max_repeats and twice max_time_s (the worst case: every point retried); the accuracy
+    pass of a lossy point; the profiler pass (one generation at most, and its start); the compilation of a compiled
+    step; the model build. Not counted: prefix caching's extra generations that measure a miss (no GPU preset uses
+    it).
     """
     generation = generation_seconds(cfg, gpu=gpu)
-    measured = min(cfg.max_repeats * generation, max(cfg.min_repeats * generation, cfg.max_time_s + generation))
-    seconds = cfg.warmup * generation + measured
+    seconds = cfg.warmup * generation + measured_seconds(cfg, generation_s=generation, budget=1)
+    if cfg.retry_noisy:
+        seconds += measured_seconds(cfg, generation_s=generation, budget=2)
     if cfg.accuracy and is_lossy(cfg):
         seconds += ACCURACY_GENERATIONS * generation
     if cfg.profile and cfg.gen_len > 2 and cfg.compile == "none":
@@ -126,6 +129,13 @@ def point_seconds(cfg: RunConfig, *, gpu: Gpu) -> float:
         seconds += COMPILE_S + COMPILE_S_PER_LAYER * cfg.model_args().n_layers
     weights = weights_bytes(cfg.model_args(), cfg.dtype)
     return seconds + POINT_OVERHEAD_S + weights / BUILD_BYTES_PER_S
+
+
+def measured_seconds(cfg: RunConfig, *, generation_s: float, budget: int) -> float:
+    """Upper bound on one attempt's measured repeats (harness.timing.measure) at `budget` times max_repeats and
+    max_time_s: 1 for the first attempt, 2 for the retry (harness.timing.RepeatPolicy.retry)."""
+    max_repeats, max_time_s = budget * cfg.max_repeats, budget * cfg.max_time_s
+    return min(max_repeats * generation_s, max(cfg.min_repeats * generation_s, max_time_s + generation_s))
 
 
 def sweep_seconds(points: Sequence[RunConfig], *, gpu: Gpu) -> float:

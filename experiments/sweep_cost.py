@@ -30,6 +30,9 @@ POINT = [  # one quick point: the measurement itself is small, so what remains i
     "warmup=1",
     "min_repeats=3",
     "max_repeats=3",
+    # No retry at twice the budget: 3 tiny repeats rarely meet target_rse, and a retry (6 more generations, on
+    # some points and not others) would put the host's noise into the per-point cost this measures.
+    "retry_noisy=false",
     "profile=false",
     "ceilings_quick=true",
 ]

@@ -216,6 +216,9 @@ class RunConfig(Workload):
     max_repeats: int = 20
     max_time_s: float = 60.0  # wall budget for the measured repeats of one point
     target_rse: float = 0.02  # stop repeating once the median TPOT's relative standard error is below this
+    # A point whose repeats did not meet target_rse is measured once more, with twice max_repeats and max_time_s;
+    # the row keeps the second attempt alone (retries = 1). False: the first attempt is the row, converged or not.
+    retry_noisy: bool = field(default=True, metadata={LATER_DEFAULT: True})
     accuracy: bool = True  # lossy points (quantized KV, sliding past its window): teacher-forced error vs exact
     eval_text: str | None = None  # a local text file: perplexity with and without the lossy cache (real weights)
     roofline: bool = True  # analytic FLOPs/bytes beside the measured ceilings of this device (harness/roofline.py)
@@ -259,6 +262,8 @@ class RunConfig(Workload):
             raise ConfigError(f"max_repeats: must be at least min_repeats={self.min_repeats}, got {self.max_repeats}")
         if not 0 < self.target_rse < 1:
             raise ConfigError(f"target_rse: must be in (0, 1), got {self.target_rse}")
+        if not isinstance(self.retry_noisy, bool):
+            raise ConfigError(f"retry_noisy: must be true or false, got {self.retry_noisy!r}")
         if self.max_memory_gb is not None and self.max_memory_gb <= 0:
             raise ConfigError(f"max_memory_gb: must be positive or null, got {self.max_memory_gb}")
         check_choice("lengths", self.lengths, LENGTHS)

@@ -6,14 +6,17 @@ so timing adds no bubbles between decode steps. On the CPU work is synchronous a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from harness.stats import median_rse
 
 
 def cuda_event() -> torch.cuda.Event:
@@ -79,45 +82,72 @@ class RepeatPolicy:
     max_time_s: float = 60.0  # wall budget for the measured repeats of one point
     target_rse: float = 0.02  # stop once the relative standard error of the median TPOT is below this
 
+    def retry(self) -> RepeatPolicy:
+        """The budget of a second attempt at a point that did not converge: twice the repeats and twice the time,
+        and no warm-up (the model, its kernels and the allocator are warm from the first attempt)."""
+        return dataclasses.replace(self, warmup=0, max_repeats=2 * self.max_repeats, max_time_s=2 * self.max_time_s)
 
-def median_rse(values: list[float]) -> float:
-    """Relative standard error of the median: 1.2533 * sd / sqrt(n) / median (asymptotic, normal data)."""
-    if len(values) < 2:
-        return math.inf
-    med = statistics.median(values)
-    return 1.2533 * statistics.stdev(values) / math.sqrt(len(values)) / med if med > 0 else math.inf
+
+STOP_REASONS = ("target", "max_repeats", "max_time_s")  # the schema's stop_reason values, in the order checked
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """The measured repeats of one attempt at a point, in order, and what ended them (one of STOP_REASONS)."""
+
+    samples: tuple[Sample, ...]
+    stop_reason: str
+
+    @property
+    def converged(self) -> bool:
+        """target_rse was met before a cap stopped the repeats."""
+        return self.stop_reason == "target"
+
+    def __len__(self) -> int:  # the number of measured repeats
+        return len(self.samples)
 
 
 def measure(
-    run_once: Callable[[], Sample], policy: RepeatPolicy, *, on_measure_start: Callable[[], None] | None = None
-) -> list[Sample]:
+    run_once: Callable[[], Sample],
+    policy: RepeatPolicy,
+    *,
+    on_measure_start: Callable[[], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Measurement:
     """Warm up, then repeat whole generations until the median TPOT is stable, the budget is spent, or the cap.
 
+    From min_repeats on, after every repeat, in this order: the median TPOT's relative standard error
+    (harness.stats.median_rse, the bootstrap the row's tpot_rse reports) below target_rse stops with "target";
+    else max_repeats reached stops with "max_repeats"; else more than max_time_s seconds (by `clock`) since the
+    first measured repeat began stops with "max_time_s". The target is checked first, so a point with min_repeats
+    == max_repeats whose repeats are already stable converges; one whose are not stops on max_repeats.
+
     on_measure_start runs once between the last warm-up generation and the first measured one: where a probe of
-    the measured generations alone (energy, clocks) opens its window.
+    the measured generations alone (energy, clocks, host noise) opens its window.
     """
     for _ in range(policy.warmup):
         run_once()
     if on_measure_start is not None:
         on_measure_start()
     samples: list[Sample] = []
-    started = time.perf_counter()
-    while len(samples) < policy.max_repeats:
+    started = clock()
+    while True:
         samples.append(run_once())
         if len(samples) < policy.min_repeats:
             continue
         if median_rse([s.tpot_ms for s in samples]) < policy.target_rse:
-            break
-        if time.perf_counter() - started > policy.max_time_s:
-            break
-    return samples
+            return Measurement(samples=tuple(samples), stop_reason="target")
+        if len(samples) >= policy.max_repeats:
+            return Measurement(samples=tuple(samples), stop_reason="max_repeats")
+        if clock() - started > policy.max_time_s:
+            return Measurement(samples=tuple(samples), stop_reason="max_time_s")
 
 
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q))
 
 
-def summarize(samples: list[Sample], *, batch_size: int, prompt_len: int) -> dict:
+def summarize(samples: Sequence[Sample], *, batch_size: int, prompt_len: int) -> dict:
     """The latency columns of a row, from the measured samples (see harness.store.schema for their meaning)."""
     ttft = [s.ttft_ms for s in samples]
     tpot = [s.tpot_ms for s in samples]
@@ -141,4 +171,17 @@ def summarize(samples: list[Sample], *, batch_size: int, prompt_len: int) -> dic
         "prefill_tok_s": batch_size * prompt_len / (ttft_ms / 1e3),
         "e2e_ms": statistics.median(s.e2e_ms for s in samples),
         "repeats": len(samples),
+        "tpot_samples_ms": tpot,
+        "ttft_samples_ms": ttft,
+        "tpot_rse": finite_or_none(median_rse(tpot)),
     }
+
+
+def convergence_columns(measurement: Measurement) -> dict:
+    """Whether the stopping rule was met, and what stopped the repeats (the latency columns are summarize's)."""
+    return {"converged": measurement.converged, "stop_reason": measurement.stop_reason}
+
+
+def finite_or_none(value: float) -> float | None:
+    """A relative standard error, or None where it is not defined (fewer than 2 repeats: median_rse's inf)."""
+    return value if math.isfinite(value) else None

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
+from harness import stats
 from harness.config import RunConfig
 from harness.run.bench import run_point
 from harness.run.runner import ensure_ceilings
 from harness.store.schema import COLUMNS
+from harness.timing import STOP_REASONS
 
 FAST = dict(warmup=0, min_repeats=1, max_repeats=1, isolate=False)
 
@@ -51,3 +54,18 @@ def test_energy_clock_and_nvml_columns_are_null_on_the_cpu_and_peak_memory_is_rs
     ):
         assert column in row and row[column] is None
     assert row["peak_mem_source"] == "rss"
+
+
+def test_a_row_keeps_its_repeats_samples_and_says_whether_they_converged():
+    cfg = RunConfig(model={"name": "tiny"}, device="cpu", dtype="fp32", prompt_len=8, gen_len=4, warmup=1,
+                    min_repeats=3, max_repeats=4, profile=False, roofline=False, isolate=False)  # fmt: skip
+    row = run_point(cfg).row
+    assert len(row["tpot_samples_ms"]) == len(row["ttft_samples_ms"]) == row["repeats"]
+    assert row["tpot_ms"] == statistics.median(row["tpot_samples_ms"])
+    assert row["ttft_ms"] == statistics.median(row["ttft_samples_ms"])
+    assert row["tpot_rse"] == stats.median_rse(row["tpot_samples_ms"])
+    assert row["converged"] == (row["stop_reason"] == "target") == (row["tpot_rse"] < cfg.target_rse)
+    assert row["stop_reason"] in STOP_REASONS and row["retries"] in (0, 1)
+    # A first attempt that did not converge was retried; the retry may have converged or not.
+    assert row["retries"] == 1 or row["converged"]
+    assert 0.0 <= row["host_other_cpu_frac"] <= 1.0 and isinstance(row["host_busy"], bool)

@@ -103,6 +103,17 @@ def test_point_id_is_stable_and_ignores_the_output_location():
     assert RunConfig(kv_dtype="auto").point_id() == RunConfig(kv_dtype="bf16").point_id()
 
 
+def test_retry_noisy_must_be_a_bool():
+    bad(r"^retry_noisy: must be true or false, got 'yes'$", retry_noisy="yes")
+
+
+def test_retry_noisy_on_by_default_leaves_point_ids_alone_and_off_makes_a_new_point():
+    # Added after results were recorded: at its default it stays out of point_id (tests/test_point_ids.py).
+    assert RunConfig().retry_noisy is True
+    assert RunConfig(retry_noisy=True).point_id() == RunConfig().point_id()
+    assert RunConfig(retry_noisy=False).point_id() != RunConfig().point_id()
+
+
 def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 

@@ -7,6 +7,7 @@ are read from the script itself; the slow test runs the whole script on the CPU 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -26,6 +27,7 @@ from experiments.gpu_check import (
     verdicts,
 )
 from experiments.sizing import H200, STAGE_ESTIMATES_S, STAGE_PRESETS, preset_claims, stage_limits, stage_predictions
+from harness.config import RunConfig
 from harness.store import disk, schema
 
 ROOT = Path(__file__).parents[1]
@@ -247,6 +249,33 @@ def test_every_stage_is_predicted_within_its_limit():
     predicted = stage_predictions(gpu=H200)
     over = {stage: round(seconds) for stage, seconds in predicted.items() if seconds > limits[stage]}
     assert not over, f"predicted past the limit (s): {over}; limits {limits}"
+
+
+def decode_point(**fields) -> RunConfig:
+    return RunConfig(model={"name": "llama-3.1-8b"}, device="cpu", dtype="bf16", prompt_len=512, gen_len=64,
+                     warmup=1, accuracy=False, profile=False, **fields)  # fmt: skip
+
+
+def test_the_time_model_counts_a_retry_at_twice_max_repeats():
+    # A budget of time that never binds: each attempt runs to its cap, 5 repeats then the retry's 10.
+    point = decode_point(min_repeats=3, max_repeats=5, max_time_s=1e6)
+    generation_s = sizing.generation_seconds(point, gpu=H200)
+    unretried = sizing.point_seconds(dataclasses.replace(point, retry_noisy=False), gpu=H200)
+    assert sizing.point_seconds(point, gpu=H200) - unretried == pytest.approx(2 * 5 * generation_s)
+
+
+def test_the_time_model_counts_a_retry_at_twice_max_time_s():
+    # Repeats that never bind: the retry stops after twice max_time_s, plus the generation that overruns it.
+    point = decode_point(min_repeats=1, max_repeats=10_000, max_time_s=2.0)
+    generation_s = sizing.generation_seconds(point, gpu=H200)
+    unretried = sizing.point_seconds(dataclasses.replace(point, retry_noisy=False), gpu=H200)
+    assert sizing.point_seconds(point, gpu=H200) - unretried == pytest.approx(2 * 2.0 + generation_s)
+
+
+def test_the_gpu_checks_stages_measure_without_retries():
+    # Twice a stage's budget does not fit its limit: its rows say they did not converge, and are not measured again.
+    for preset in STAGE_PRESETS.values():
+        assert not any(point.retry_noisy for point in sizing.preset_points(preset)), preset
 
 
 def test_an_unknown_stage_is_one_line_naming_the_allowed_ones(tmp_path):

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,11 +19,12 @@ from harness.decode import check_compilable, compile_decode_step, cudagraph_skip
 from harness.environment import environment_columns
 from harness.errors import Unsupported
 from harness.formats import EXACT_REFERENCE
+from harness.host_noise import HostNoiseWindow
 from harness.kv.base import CacheSpec
 from harness.model import build_model, weights_bytes
 from harness.probes import MemoryProbe
 from harness.run.point_result import PointResult
-from harness.timing import RepeatPolicy, StepTimer, measure, summarize
+from harness.timing import Measurement, RepeatPolicy, Sample, StepTimer, convergence_columns, measure, summarize
 
 log = logging.getLogger(__name__)
 # Decode steps the warm-up must run for a compiled step: torch.compile traces at the first call; CUDA graph trees
@@ -90,8 +92,12 @@ def run_point(cfg: RunConfig) -> PointResult:
             max_time_s=cfg.max_time_s,
             target_rse=cfg.target_rse,
         )
-        # The energy and clock window opens after the warm-up (compilation included) and counts measured tokens only.
-        samples = measure(run_once, policy, on_measure_start=probe.begin_timed)
+        # The energy, clock and host-noise windows open after the warm-up (compilation included) and cover the kept
+        # attempt's measured generations only.
+        measurement, host_columns, retries = measure_with_retry(
+            run_once, policy=policy, retry_noisy=cfg.retry_noisy, probe=probe
+        )
+        samples = measurement.samples
         probe.end_timed(n_tokens=len(samples) * cfg.batch_size * cfg.gen_len)
         hit = cache.prefix_hit  # a prefix cache: the measured prefills found the prefix cached; else None
         if hit is not None:
@@ -99,6 +105,7 @@ def run_point(cfg: RunConfig) -> PointResult:
             row["ttft_miss_ms"] = median_miss_ttft(cache, run_once, n=cfg.min_repeats)
 
     row |= summarize(samples, batch_size=cfg.batch_size, prompt_len=cfg.prompt_len)
+    row |= convergence_columns(measurement) | host_columns | {"retries": retries}
     row |= kv_figures
     row["kv_waste_fraction"] = fragmentation.waste_fraction(
         allocated=row["kv_bytes_allocated"],
@@ -136,6 +143,36 @@ def run_point(cfg: RunConfig) -> PointResult:
                 "them; TORCH_LOGS=perf_hints logs the reason"
             )
     return PointResult(row=row, ops=top_ops)
+
+
+def measure_with_retry(
+    run_once: Callable[[], Sample], *, policy: RepeatPolicy, retry_noisy: bool, probe: MemoryProbe
+) -> tuple[Measurement, dict, int]:
+    """The measured repeats the row keeps, the host noise over them, and how many attempts were retried (0 or 1).
+
+    A first attempt that did not converge was disturbed (another process, a clock change) or is noisier than its
+    budget allows: with retry_noisy it is measured once more with twice the budget (RepeatPolicy.retry: no warm-up,
+    the model is warm), and only the retry's repeats are kept. Each attempt opens its own windows after its
+    warm-up: the host noise window, and the probe's energy and clock window (NvmlSampler.open_window starts afresh),
+    which the caller's probe.end_timed closes after the kept attempt, so that both cover the kept repeats alone.
+    """
+    host = HostNoiseWindow()
+
+    def open_windows() -> None:
+        probe.begin_timed()
+        host.open()
+
+    measurement = measure(run_once, policy, on_measure_start=open_windows)
+    host_columns = host.columns()
+    if measurement.converged or not retry_noisy:
+        return measurement, host_columns, 0
+    log.info(
+        "not converged (%s after %d repeats): measuring again with twice the budget",
+        measurement.stop_reason,
+        len(measurement),
+    )
+    measurement = measure(run_once, policy.retry(), on_measure_start=open_windows)
+    return measurement, host.columns(), 1
 
 
 def cache_spec(cfg: RunConfig) -> CacheSpec:

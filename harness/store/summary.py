@@ -29,7 +29,7 @@ _SUMMARY_LAYOUT: tuple[tuple[str, str, Callable[[object], str]], ...] = (
     ("top1", "top1_agreement", "{:.3f}".format),
     ("peak MiB", "peak_mem_bytes", lambda value: f"{value / _MIB_BYTES:.1f}"),
 )
-_SUMMARY_TEXT = ("status", "model", "cache", "kv_dtype", "error")  # left-aligned; numbers stay right-aligned
+_SUMMARY_TEXT = ("status", "model", "cache", "kv_dtype", "noise", "error")  # left-aligned; numbers stay right-aligned
 
 
 def text_table(
@@ -61,19 +61,40 @@ def text_table(
 
 
 def format_summary(df: pd.DataFrame) -> str:
-    """One line per row, sorted by model, cache, kv_dtype, batch and prompt; nulls as '-'; failed rows end with
-    their error, shortened to one line."""
+    """One line per row, sorted by model, cache, kv_dtype, batch and prompt; nulls as '-'; a row whose repeats did
+    not converge or whose host was busy says so under `noise`; failed rows end with their error, shortened to one
+    line."""
     if df.empty:
         return "(no results)"
     df = df.reindex(columns=[c.name for c in COLUMNS]).sort_values(
         ["model", "cache", "kv_dtype", "batch_size", "prompt_len"], na_position="last", kind="stable"
     )
     shown = pd.DataFrame({header: df[column].tolist() for header, column, _ in _SUMMARY_LAYOUT})
+    shown["noise"] = [
+        noise_mark(converged=converged, host_busy=busy)
+        for converged, busy in zip(df["converged"], df["host_busy"], strict=True)
+    ]
     shown["error"] = [
         "" if status == "ok" else _shorten(error) for status, error in zip(df["status"], df["error"], strict=True)
     ]
     formatters = {header: fmt for header, _, fmt in _SUMMARY_LAYOUT}
     return text_table(shown, formatters=formatters, left=_SUMMARY_TEXT)
+
+
+def noise_mark(*, converged: object, host_busy: object) -> str:
+    """What makes a row's figures doubtful: "unconverged" (target_rse not met, after the retry if any), "busy host"
+    (steal or other processes over host_noise.BUSY_SHARE), both, or "". A null is "not recorded" (a row from before
+    these columns, a failed point), never a mark."""
+    marks = []
+    if _known(converged) and not bool(converged):
+        marks.append("unconverged")
+    if _known(host_busy) and bool(host_busy):
+        marks.append("busy host")
+    return ", ".join(marks)
+
+
+def _known(value: object) -> bool:
+    return value is not None and not pd.isna(value)
 
 
 def _shorten(error: object) -> str:
