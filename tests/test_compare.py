@@ -346,3 +346,28 @@ def test_cli_compare_exits_2_on_a_missing_or_empty_side(sweep_dirs, tmp_path, ca
     (tmp_path / "empty").mkdir()
     assert cli.main(["compare", str(tmp_path / "empty"), str(a)]) == 2
     assert "A: no result rows under" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------- the default pair
+
+
+def test_best_pair_is_the_two_sweeps_sharing_the_most_keys_older_first():
+    a, b = result_sets()  # sweeps "a" and "b" share the four KNOWN keys
+    lone = pd.DataFrame([row("z-1", prompt_len=ONLY_B_PROMPT, tpot=samples(10.0, 0.01, seed=9))])  # newest, 1 key
+    assert compare.best_pair(pd.concat([a, b, lone], ignore_index=True)) == ("a", "b")
+
+
+def test_best_pair_is_none_when_no_two_sweeps_share_a_key():
+    a, _ = result_sets()
+    lone = pd.DataFrame([row("z-1", prompt_len=ONLY_B_PROMPT, tpot=samples(10.0, 0.01, seed=9))])
+    assert compare.best_pair(pd.concat([a, lone], ignore_index=True)) is None
+
+
+def test_a_pair_measured_on_different_devices_or_a_busy_host_is_noted():
+    a, b = result_sets()
+    a["device_name"], b["device_name"] = "AMD EPYC", "Intel Xeon"
+    b["host_busy"] = True
+    note = verdict_of(compare.compare(a, b), SAME_PROMPT)["note"]
+    assert "A ran on AMD EPYC, B on Intel Xeon" in note and "B's host busy" in note
+    a["device_name"] = None  # not recorded: no device note
+    assert "ran on" not in verdict_of(compare.compare(a, b), SAME_PROMPT)["note"]

@@ -26,11 +26,15 @@ if len(sweeps) < 2:
     st.stop()
 
 sizes = rows["sweep_id"].astype(str).value_counts()
+# Open on the two sweeps that share the most points (else the two latest), so that the page starts with verdicts.
+default_a, default_b = compare.best_pair(rows) or (sweeps[-2], sweeps[-1])
 left, right, metric_column, threshold_column = st.columns(4)
 a_sweep = left.selectbox(
-    "A (baseline) sweep", sweeps, index=len(sweeps) - 2, format_func=lambda s: f"{s} ({sizes[s]} rows)"
+    "A (baseline) sweep", sweeps, index=sweeps.index(default_a), format_func=lambda s: f"{s} ({sizes[s]} rows)"
 )
-b_sweep = right.selectbox("B sweep", sweeps, index=len(sweeps) - 1, format_func=lambda s: f"{s} ({sizes[s]} rows)")
+b_sweep = right.selectbox(
+    "B sweep", sweeps, index=sweeps.index(default_b), format_func=lambda s: f"{s} ({sizes[s]} rows)"
+)
 metric = metric_column.selectbox("metric", list(compare.METRICS))
 threshold_pct = threshold_column.number_input(
     "threshold (%)", min_value=0.0, max_value=100.0, value=100 * compare.DEFAULT_THRESHOLD, step=0.5

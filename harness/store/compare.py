@@ -138,6 +138,23 @@ def _latest_per_key(rows: pd.DataFrame, *, side: str, notes: list[str]) -> pd.Da
     return latest.set_index("_key", drop=True)
 
 
+def best_pair(rows: pd.DataFrame) -> tuple[str, str] | None:
+    """The two sweeps whose ok rows share the most point keys, (older, newer) by sweep_id; ties go to the latest
+    pair. None when no two sweeps share a key: the dashboard's default choice, so that it opens on a comparison."""
+    rows = rows.reindex(columns=list(dict.fromkeys([*rows.columns, *POINT_KEY_COLUMNS, "status", "sweep_id"])))
+    ok = rows[rows["status"].eq("ok").fillna(False).astype(bool).to_numpy() & rows["sweep_id"].notna().to_numpy()]
+    keys_of = {
+        str(sweep): {_key(values) for values in part[list(POINT_KEY_COLUMNS)].itertuples(index=False)}
+        for sweep, part in ok.groupby(ok["sweep_id"].astype(str), sort=True)
+    }
+    sweeps = sorted(keys_of)
+    shared = [
+        (len(keys_of[a] & keys_of[b]), b, a) for i, a in enumerate(sweeps) for b in sweeps[i + 1 :]
+    ]  # (count, newer, older): max() prefers more keys, then the later pair
+    best = max(shared, default=(0, None, None))
+    return (best[2], best[1]) if best[0] else None
+
+
 def _key(values: tuple) -> tuple:
     """One row's key as plain values: a null is None whatever its dtype, and 512.0 (a float column) equals 512."""
     plain = []
@@ -235,6 +252,10 @@ def _compare_one(a: pd.Series, b: pd.Series, *, spec: Metric, threshold: float, 
     samples_a, samples_b = _samples(a, spec), _samples(b, spec)
     # converged: null is "not recorded" (rows older than the column), never False
     notes = [f"{side} not converged" for side, row in (("A", a), ("B", b)) if _recorded_false(row.get("converged"))]
+    notes += [f"{side}'s host busy" for side, row in (("A", a), ("B", b)) if row.get("host_busy") is True]
+    devices = [row.get("device_name") for row in (a, b)]
+    if all(isinstance(name, str) for name in devices) and devices[0] != devices[1]:  # a null is "not recorded"
+        notes.append(f"A ran on {devices[0]}, B on {devices[1]}")
     if samples_a is not None and samples_b is not None:
         median_a, median_b = float(np.median(samples_a)), float(np.median(samples_b))
         ratio, low, high = stats.ratio_ci(samples_a, samples_b, confidence=confidence)
