@@ -20,11 +20,35 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
+from harness.formats import EXACT_REFERENCE
+from harness.store.schema import KV_COLUMNS, WORKLOAD_COLUMNS
+
 SCATTERGL_MIN_POINTS = 5000  # above this an SVG scatter makes the browser crawl; WebGL draws 100k points smoothly
 LOG2_DTICK = math.log10(2)  # a log axis with this dtick ticks at 1, 2, 4, 8, ...
 PALETTE = qualitative.Plotly
 NO_OK_ROWS = "no ok rows"
-LABEL_FORMATS = {"batch_size": "batch {}", "prompt_len": "prompt {}", "gen_len": "gen {}", "max_memory_gb": "{} GiB"}
+LABEL_FORMATS = {
+    "batch_size": "batch {}",
+    "prompt_len": "prompt {}",
+    "gen_len": "gen {}",
+    "max_memory_gb": "{} GiB",
+    # the rest of the workload key and the KV options: a bare "none" or "16" would not say what it is
+    "prefix_len": "prefix {}",
+    "lengths": "{} lengths",
+    "weights": "weights {}",
+    "compile": "compile {}",
+    "runner": "runner {}",
+    "loop": "loop {}",
+    "block_size": "block {}",
+    "pool_tokens": "pool {}",
+    "window": "window {}",
+    "sinks": "sinks {}",
+    "kv_group_size": "group {}",
+    "kv_residual": "residual {}",
+}
+# The marks a row earns when its figures may not be trusted (issue #14): the column, the value that marks, the word.
+# A null is "not recorded" (rows that predate the column): never marked.
+MARKS = (("converged", False, "not converged"), ("host_busy", True, "host busy"))
 
 
 class MissingColumns(ValueError):
@@ -149,3 +173,82 @@ def scatter_class(n_points: int) -> type[go.Scatter] | type[go.Scattergl]:
 
 def colour(i: int) -> str:
     return PALETTE[i % len(PALETTE)]
+
+
+# ------------------------------------------------------------------------------------- like with like (workloads)
+
+
+def workload_keys(rows: pd.DataFrame) -> pd.Series:
+    """A hashable key per row: its WORKLOAD_COLUMNS as display text, a null as "-" (a value of its own, so rows that
+    predate a column form their own workloads). Rows with equal keys compare strategies and formats like with like."""
+    present = [column for column in WORKLOAD_COLUMNS if column in rows.columns]
+    if not present:
+        return pd.Series([()] * len(rows), index=rows.index, dtype=object)
+    text = pd.DataFrame({column: texts(rows, column) for column in present}, index=rows.index)
+    return pd.Series(list(text.itertuples(index=False, name=None)), index=rows.index, dtype=object)
+
+
+def treatment_keys(rows: pd.DataFrame) -> pd.Series:
+    """A hashable key per row: how it kept its KV (KV_COLUMNS as display text, nulls as "-")."""
+    present = [column for column in KV_COLUMNS if column in rows.columns]
+    text = pd.DataFrame({column: texts(rows, column) for column in present}, index=rows.index)
+    return pd.Series(list(text.itertuples(index=False, name=None)), index=rows.index, dtype=object)
+
+
+def workload_label(rows: pd.DataFrame) -> pd.Series:
+    """A label per row naming the workload fields that vary among `rows`, e.g. "fp32, batch 2, prompt 160"; "all
+    rows" when they are one workload."""
+    return labels(rows, WORKLOAD_COLUMNS).replace("", "all rows")
+
+
+def treatment_label(rows: pd.DataFrame) -> pd.Series:
+    """A label per row for its KV treatment: cache and kv_dtype, then each option it has, e.g. "paged int4, block
+    16, group 64, residual 0"."""
+    label = texts(rows, "cache") + " " + texts(rows, "kv_dtype")
+    for column in KV_COLUMNS[2:]:
+        if column in rows.columns:
+            prefix, suffix = LABEL_FORMATS[column].split("{}")
+            option = (", " + prefix + texts(rows, column) + suffix).where(rows[column].notna(), "")
+            label = label + option
+    return label.astype(str)
+
+
+def workload_groups(rows: pd.DataFrame) -> list[pd.DataFrame]:
+    """`rows` split by workload (workload_keys), the one with the most KV treatments first (then the most rows):
+    the parts a view may aggregate within, never across."""
+    if rows.empty:
+        return []
+    keys, treatments = workload_keys(rows), treatment_keys(rows)
+    groups = []
+    for _, positions in keys.groupby(keys, sort=True).indices.items():
+        part = rows.iloc[positions]
+        groups.append((-treatments.iloc[positions].nunique(), -len(part), part))
+    return [part for *_, part in sorted(groups, key=lambda group: group[:2])]
+
+
+def is_baseline(rows: pd.DataFrame) -> pd.Series:
+    """True where a row is its workload's baseline: the exact strategy with K/V stored at the compute dtype."""
+    return (texts(rows, "cache") == EXACT_REFERENCE) & (texts(rows, "kv_dtype") == texts(rows, "dtype"))
+
+
+def row_marks(rows: pd.DataFrame) -> pd.Series:
+    """Per row, why its figures may not be trusted ("not converged, host busy"), "" when nothing says so."""
+    marks = pd.Series("", index=rows.index, dtype=object)
+    for column, value, word in MARKS:
+        if column not in rows.columns:
+            continue
+        values = rows[column]
+        hit = (values.notna() & (values.astype(object) == value)).to_numpy(dtype=bool)  # a null never marks
+        marks = marks.where(~hit, marks.where(marks == "", marks + ", ") + word)
+    return marks.astype(str)
+
+
+def marks_warning(rows: pd.DataFrame) -> str | None:
+    """One line counting the ok rows that carry a mark (row_marks), or None when none does."""
+    marks = row_marks(ok_rows(rows, [column for column, _, _ in MARKS]))
+    counts = {word: int(marks.str.contains(word, regex=False).sum()) for _, _, word in MARKS}
+    counts = {word: count for word, count in counts.items() if count}
+    if not counts:
+        return None
+    said = " and ".join(f"{count} {word}" for word, count in counts.items())
+    return f"{said} (of {len(marks)} ok rows): their figures are marked; rerun them on a quiet host to trust them."

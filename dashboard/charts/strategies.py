@@ -7,43 +7,90 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from dashboard.charts.common import (
+    MARKS,
     colour,
     hover_groups,
+    is_baseline,
     message_figure,
     numbers,
     ok_rows,
     require,
+    row_marks,
     scatter_class,
     texts,
+    treatment_keys,
+    treatment_label,
+    workload_groups,
+    workload_label,
 )
+from harness.formats import EXACT_REFERENCE
+from harness.store.schema import KV_COLUMNS, WORKLOAD_COLUMNS
 
 MIB_BYTES = 2**20
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "cross", "star", "hexagon", "triangle-down", "pentagon")
 PARETO_HOVER_NUMBERS = ("batch_size", "prompt_len", "top1_agreement")
 STRATEGY_MEDIANS = ("tpot_ms", "ttft_ms", "kv_allocated_mib", "kv_waste_fraction", "top1_agreement", "kl_mean")
+# figure -> its ratio column: treatment / the baseline of the same workload (1.0 on the baseline's own line)
+STRATEGY_RATIOS = {"tpot_ms": "tpot_ratio", "ttft_ms": "ttft_ratio", "kv_allocated_mib": "kv_allocated_ratio"}
+NO_BASELINE = f"no baseline in this workload ({EXACT_REFERENCE} at kv_dtype = dtype): ratios left empty"
+
+
+def _treatments(group: pd.DataFrame) -> pd.DataFrame:
+    """One workload's ok rows, one line per KV treatment: the medians of STRATEGY_MEDIANS over its rows (repeats of
+    the same point, e.g. from two sweeps), n_points, marks, and the ratios against the group's baseline."""
+    frame = pd.DataFrame(
+        {
+            "treatment": treatment_label(group),
+            "baseline": is_baseline(group),
+            "marks": row_marks(group),
+            "tpot_ms": numbers(group, "tpot_ms"),
+            "ttft_ms": numbers(group, "ttft_ms"),
+            "kv_allocated_mib": numbers(group, "kv_bytes_allocated") / MIB_BYTES,
+            "kv_waste_fraction": numbers(group, "kv_waste_fraction"),
+            "top1_agreement": numbers(group, "top1_agreement"),
+            "kl_mean": numbers(group, "kl_mean"),
+            **{column: texts(group, column) for column in KV_COLUMNS[:2]},
+        },
+        index=group.index,
+    )
+    frame["_key"] = treatment_keys(group)
+    table = frame.groupby("_key", sort=False).agg(
+        cache=("cache", "first"),
+        kv_dtype=("kv_dtype", "first"),
+        treatment=("treatment", "first"),
+        baseline=("baseline", "first"),
+        **{column: (column, "median") for column in STRATEGY_MEDIANS},
+        n_points=("tpot_ms", "size"),
+        marks=("marks", lambda marks: ", ".join(sorted({word for cell in marks for word in cell.split(", ") if word}))),
+    )
+    table = table.sort_values(["baseline", "cache", "kv_dtype", "treatment"], ascending=[False, True, True, True])
+    baseline = table[table["baseline"]]
+    for figure, ratio in STRATEGY_RATIOS.items():
+        table[ratio] = table[figure] / baseline[figure].iloc[0] if len(baseline) else np.nan
+    table["note"] = "" if len(baseline) else NO_BASELINE
+    return table.reset_index(drop=True)
 
 
 def strategy_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """One line per (cache, kv_dtype) over the ok rows: the medians of STRATEGY_MEDIANS and n_points. A column the
-    rows lack is NaN."""
+    """Per workload (WORKLOAD_COLUMNS, the one with the most treatments first), one line per KV treatment (cache,
+    kv_dtype and options) of its ok rows: the workload's columns and label, the medians of STRATEGY_MEDIANS over the
+    rows of that workload and treatment, n_points, the ratios against the baseline of the same workload
+    (STRATEGY_RATIOS; null, with a note, where it has none) and the marks of rows not to trust. Never a median across
+    two workloads. A column the rows lack is NaN."""
     require(rows, ["cache", "kv_dtype"])
     ok = ok_rows(rows)
-    frame = pd.DataFrame(
-        {
-            "cache": texts(ok, "cache"),
-            "kv_dtype": texts(ok, "kv_dtype"),
-            "tpot_ms": numbers(ok, "tpot_ms"),
-            "ttft_ms": numbers(ok, "ttft_ms"),
-            "kv_allocated_mib": numbers(ok, "kv_bytes_allocated") / MIB_BYTES,
-            "kv_waste_fraction": numbers(ok, "kv_waste_fraction"),
-            "top1_agreement": numbers(ok, "top1_agreement"),
-            "kl_mean": numbers(ok, "kl_mean"),
-        }
-    )
-    table = frame.groupby(["cache", "kv_dtype"], sort=True).agg(
-        **{column: (column, "median") for column in STRATEGY_MEDIANS}, n_points=("cache", "size")
-    )
-    return table.reset_index()
+    parts = []
+    for group in workload_groups(ok):
+        table = _treatments(group)
+        workload = {column: group[column].iloc[0] for column in WORKLOAD_COLUMNS if column in group.columns}
+        parts.append(table.assign(workload=workload_label(ok).loc[group.index[0]], **workload))
+    if not parts:
+        columns = ["workload", *KV_COLUMNS[:2], "treatment", *STRATEGY_MEDIANS, "n_points"]
+        return pd.DataFrame(columns=columns + list(STRATEGY_RATIOS.values()) + ["marks", "note"])
+    table = pd.concat(parts, ignore_index=True)
+    first = ["workload", *[c for c in WORKLOAD_COLUMNS if c in table.columns], "cache", "kv_dtype", "treatment"]
+    ratios = list(STRATEGY_RATIOS.values())
+    return table[[*first, *STRATEGY_MEDIANS, "n_points", *ratios, "marks", "note"]]
 
 
 def pareto_front(x: pd.Series, y: pd.Series) -> pd.Series:
@@ -59,23 +106,30 @@ def pareto_front(x: pd.Series, y: pd.Series) -> pd.Series:
 
 
 def strategy_pareto(rows: pd.DataFrame) -> go.Figure:
-    """KV memory against TPOT per ok row, colour by cache and symbol by kv_dtype, with the Pareto front (less
-    memory and less time both better) as a step line through outlined points."""
+    """KV memory against TPOT per ok row of one workload, colour by cache and symbol by kv_dtype (open where the row
+    is marked: not converged, host busy), with the Pareto front (less memory and less time both better) as a step
+    line through outlined points. Rows of several workloads: the one with the most treatments (workload_groups),
+    named in a note; a page passes the workload its reader chose."""
     require(rows, ["kv_bytes_allocated", "tpot_ms", "cache", "kv_dtype"])
     title = "KV memory against time per output token"
     x_title, y_title = "KV allocated (MiB)", "time per output token (ms)"
-    ok = ok_rows(rows, ["kv_bytes_allocated", "tpot_ms", "cache", "kv_dtype", *PARETO_HOVER_NUMBERS])
+    columns = ["kv_bytes_allocated", "tpot_ms", *PARETO_HOVER_NUMBERS, *KV_COLUMNS, *WORKLOAD_COLUMNS]
+    ok = ok_rows(rows, [*columns, *(column for column, _, _ in MARKS)])
+    ok = ok[(numbers(ok, "kv_bytes_allocated").notna() & numbers(ok, "tpot_ms").notna()).to_numpy()]
+    groups = workload_groups(ok)
+    if not groups:
+        return message_figure(title=title, x_title=x_title, y_title=y_title)
+    chosen = groups[0]
     points = pd.DataFrame(
         {
-            "x": numbers(ok, "kv_bytes_allocated") / MIB_BYTES,
-            "y": numbers(ok, "tpot_ms"),
-            "cache": texts(ok, "cache"),
-            "kv_dtype": texts(ok, "kv_dtype"),
-            **{field: numbers(ok, field) for field in PARETO_HOVER_NUMBERS},
+            "x": numbers(chosen, "kv_bytes_allocated") / MIB_BYTES,
+            "y": numbers(chosen, "tpot_ms"),
+            "cache": texts(chosen, "cache"),
+            "kv_dtype": texts(chosen, "kv_dtype"),
+            "marks": row_marks(chosen).replace("", "none"),
+            **{field: numbers(chosen, field) for field in PARETO_HOVER_NUMBERS},
         }
-    ).dropna(subset=["x", "y"])
-    if points.empty:
-        return message_figure(title=title, x_title=x_title, y_title=y_title)
+    )
 
     kv_dtypes = sorted(points["kv_dtype"].unique())
     symbol_of = {kv_dtype: SYMBOLS[i % len(SYMBOLS)] for i, kv_dtype in enumerate(kv_dtypes)}
@@ -83,10 +137,11 @@ def strategy_pareto(rows: pd.DataFrame) -> go.Figure:
     trace = scatter_class(len(points))
     fig = go.Figure()
     # One trace per (cache, kv_dtype): colour and symbol per trace, the numbers per point (hover_groups).
-    parts = hover_groups(points, text_fields=("cache", "kv_dtype"), number_fields=PARETO_HOVER_NUMBERS)
+    parts = hover_groups(points, text_fields=("cache", "kv_dtype", "marks"), number_fields=PARETO_HOVER_NUMBERS)
     shown: set[str] = set()
     for part, template, customdata in parts:
         cache, kv_dtype = part["cache"].iloc[0], part["kv_dtype"].iloc[0]
+        symbol = symbol_of[kv_dtype] + ("-open" if part["marks"].iloc[0] != "none" else "")
         fig.add_trace(
             trace(
                 x=part["x"].to_numpy(np.float32),
@@ -95,7 +150,7 @@ def strategy_pareto(rows: pd.DataFrame) -> go.Figure:
                 name=cache,
                 legendgroup=cache,
                 showlegend=cache not in shown,
-                marker=dict(color=colour_of[cache], size=10, symbol=symbol_of[kv_dtype]),
+                marker=dict(color=colour_of[cache], size=10, symbol=symbol),
                 customdata=customdata,
                 hovertemplate=f"{template}<br>%{{x:.4g}} MiB, %{{y:.4g}} ms<extra></extra>",
             )
@@ -126,5 +181,17 @@ def strategy_pareto(rows: pd.DataFrame) -> go.Figure:
             hovertemplate=f"%{{text}}{front_template}<br>%{{x:.4g}} MiB, %{{y:.4g}} ms<extra></extra>",
         )
     )
+    if len(groups) > 1:
+        label = workload_label(ok).loc[chosen.index[0]]
+        fig.add_annotation(
+            text=f"one workload of {len(groups)}: {label}",
+            x=0,
+            y=1,
+            xref="paper",
+            yref="paper",
+            xanchor="left",
+            yanchor="bottom",
+            showarrow=False,
+        )
     fig.update_layout(title_text=title, xaxis_title_text=x_title, yaxis_title_text=y_title)
     return fig
