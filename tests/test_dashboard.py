@@ -358,7 +358,11 @@ CHARTS_BY_PAGE = {  # page -> the x-axis title of each chart, in order
 @pytest.mark.parametrize("page", PAGES)
 def test_every_page_draws_its_charts_without_an_exception(monkeypatch, fixture_dir, page):
     at = open_app(monkeypatch, fixture_dir, page=page)
-    assert not at.warning, texts(at.warning)
+    # The fixture mixes workloads: the strategies page says so and asks for one (tests/test_dashboard_views.py).
+    warnings = [
+        str(warning.value) for warning in at.warning if page != "strategies" or "workloads" not in warning.value
+    ]
+    assert not warnings, warnings
     assert [figure["layout"]["xaxis"]["title"]["text"] for figure in figures(at)] == CHARTS_BY_PAGE[page]
     assert all(figure["data"] for figure in figures(at))
 
