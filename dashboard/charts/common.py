@@ -112,7 +112,8 @@ def texts(rows: pd.DataFrame, column: str) -> pd.Series:
 
 def labels(rows: pd.DataFrame, keys: tuple[str, ...], *, always: tuple[str, ...] = ()) -> pd.Series:
     """A short label per row naming the `keys` that take more than one value among `rows` (plus `always`): the
-    text ones as words, then the quantities, e.g. "small bf16 contiguous, prompt 512"."""
+    text ones as words, then the quantities, e.g. "small bf16 contiguous, prompt 512". A KV option (block_size,
+    window, ...) is named only where the row has one: its null means the strategy has no such option."""
     words, quantities = [], []
     for key in keys:
         if key not in rows.columns or (key not in always and rows[key].nunique(dropna=False) <= 1):
@@ -120,14 +121,16 @@ def labels(rows: pd.DataFrame, keys: tuple[str, ...], *, always: tuple[str, ...]
         text = texts(rows, key)
         if key in LABEL_FORMATS:
             prefix, suffix = LABEL_FORMATS[key].split("{}")
-            quantities.append(prefix + text + suffix)
+            part = prefix + text + suffix
+            quantities.append(part.where(rows[key].notna(), "") if key in KV_COLUMNS[2:] else part)
         else:
             words.append(text)
     label = pd.Series("", index=rows.index, dtype=object)
     for i, part in enumerate(words):
         label = part if i == 0 else label + " " + part
     for part in quantities:
-        label = label.where(label == "", label + ", ") + part
+        joined = label.where(label == "", label + ", ") + part
+        label = joined.where(part != "", label)
     return label.astype(str)
 
 
