@@ -179,3 +179,10 @@ def test_rows_are_marked_when_not_converged_or_the_host_was_busy_and_never_for_n
     assert common.row_marks(rows).tolist() == ["not converged, host busy", "", "", "host busy"]
     assert common.marks_warning(rows).startswith("1 not converged and 2 host busy (of 4 ok rows)")
     assert common.marks_warning(rows.assign(converged=None, host_busy=None)) is None
+
+
+def test_the_batch_sweep_never_draws_one_line_through_two_workloads():
+    # The same cache, format and prompt, but two generation lengths: two sweeps, not one median per batch.
+    rows = pd.concat([sweep({1: 10.0, 2: 10.0}), sweep({1: 30.0, 2: 30.0}, gen_len=256)], ignore_index=True)
+    lines = [t for t in batch_sweep(rows, metric="tpot_ms").data if t.mode == "lines+markers"]
+    assert sorted(list(t.y) for t in lines) == [[10.0, 10.0], [30.0, 30.0]]
