@@ -131,3 +131,15 @@ def test_strategy_pareto_colours_by_cache_and_shapes_by_kv_dtype():
     ]
     assert [t.showlegend for t in contiguous] == [True, False]  # one legend entry per cache
     assert "kv_dtype: int4" in contiguous[0].hovertemplate and contiguous[0].customdata.shape == (1, 3)
+
+
+def test_strategy_table_gives_the_tpot_ratio_an_interval_from_the_samples_where_both_lines_have_them():
+    rows = frame(
+        point(tpot_ms=10.0, tpot_samples_ms=[9.0, 10.0, 11.0, 10.0, 10.5]),
+        point(kv_dtype="int8", tpot_ms=20.0, tpot_samples_ms=[19.0, 20.0, 21.0, 20.0, 20.5]),
+        point(cache="paged", tpot_ms=12.0, tpot_samples_ms=None),  # not recorded: no interval
+    )
+    table = strategy_table(rows).set_index("treatment")
+    low, high = table.loc["contiguous int8", ["tpot_ratio_low", "tpot_ratio_high"]]
+    assert low < 2.0 < high and high < 3.0  # around 20 / 10, its spread from the samples' own
+    assert table.loc[["paged bf16"], ["tpot_ratio_low", "tpot_ratio_high"]].isna().all().all()

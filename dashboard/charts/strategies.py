@@ -24,6 +24,7 @@ from dashboard.charts.common import (
     workload_label,
 )
 from harness.formats import EXACT_REFERENCE
+from harness.stats import ratio_ci
 from harness.store.schema import KV_COLUMNS, WORKLOAD_COLUMNS
 
 MIB_BYTES = 2**20
@@ -32,6 +33,9 @@ PARETO_HOVER_NUMBERS = ("batch_size", "prompt_len", "top1_agreement")
 STRATEGY_MEDIANS = ("tpot_ms", "ttft_ms", "kv_allocated_mib", "kv_waste_fraction", "top1_agreement", "kl_mean")
 # figure -> its ratio column: treatment / the baseline of the same workload (1.0 on the baseline's own line)
 STRATEGY_RATIOS = {"tpot_ms": "tpot_ratio", "ttft_ms": "ttft_ratio", "kv_allocated_mib": "kv_allocated_ratio"}
+# tpot_ratio's 95% interval, by bootstrap over the per-repeat samples of both lines (harness.stats.ratio_ci); null
+# where either has none recorded (rows before tpot_samples_ms)
+TPOT_RATIO_CI = ("tpot_ratio_low", "tpot_ratio_high")
 NO_BASELINE = f"no baseline in this workload ({EXACT_REFERENCE} at kv_dtype = dtype): ratios left empty"
 
 
@@ -53,6 +57,7 @@ def _treatments(group: pd.DataFrame) -> pd.DataFrame:
         },
         index=group.index,
     )
+    frame["samples"] = group.get("tpot_samples_ms")  # a list per row, or null
     frame["_key"] = treatment_keys(group)
     table = frame.groupby("_key", sort=False).agg(
         cache=("cache", "first"),
@@ -62,13 +67,27 @@ def _treatments(group: pd.DataFrame) -> pd.DataFrame:
         **{column: (column, "median") for column in STRATEGY_MEDIANS},
         n_points=("tpot_ms", "size"),
         marks=("marks", lambda marks: ", ".join(sorted({word for cell in marks for word in cell.split(", ") if word}))),
+        samples=("samples", _pooled),
     )
     table = table.sort_values(["baseline", "cache", "kv_dtype", "treatment"], ascending=[False, True, True, True])
     baseline = table[table["baseline"]]
     for figure, ratio in STRATEGY_RATIOS.items():
         table[ratio] = table[figure] / baseline[figure].iloc[0] if len(baseline) else np.nan
+    base_samples = baseline["samples"].iloc[0] if len(baseline) else None
+    intervals = [
+        ratio_ci(base_samples, samples)[1:] if base_samples and samples else (np.nan, np.nan)
+        for samples in table["samples"]
+    ]
+    table[list(TPOT_RATIO_CI)] = pd.DataFrame(intervals, index=table.index, dtype="float64")
     table["note"] = "" if len(baseline) else NO_BASELINE
-    return table.reset_index(drop=True)
+    return table.drop(columns="samples").reset_index(drop=True)
+
+
+def _pooled(cells: pd.Series) -> list[float] | None:
+    """The tpot_samples_ms of a treatment's rows, one list (repeats from several sweeps pooled); None when no row
+    recorded any."""
+    pooled = [float(v) for cell in cells if isinstance(cell, list | tuple | np.ndarray) for v in cell]
+    return pooled or None
 
 
 def strategy_table(rows: pd.DataFrame) -> pd.DataFrame:
@@ -86,10 +105,10 @@ def strategy_table(rows: pd.DataFrame) -> pd.DataFrame:
         parts.append(table.assign(workload=workload_label(ok).loc[group.index[0]], **workload))
     if not parts:
         columns = ["workload", *KV_COLUMNS[:2], "treatment", *STRATEGY_MEDIANS, "n_points"]
-        return pd.DataFrame(columns=columns + list(STRATEGY_RATIOS.values()) + ["marks", "note"])
+        return pd.DataFrame(columns=[*columns, *STRATEGY_RATIOS.values(), *TPOT_RATIO_CI, "marks", "note"])
     table = pd.concat(parts, ignore_index=True)
     first = ["workload", *[c for c in WORKLOAD_COLUMNS if c in table.columns], "cache", "kv_dtype", "treatment"]
-    ratios = list(STRATEGY_RATIOS.values())
+    ratios = [*STRATEGY_RATIOS.values(), *TPOT_RATIO_CI]
     return table[[*first, *STRATEGY_MEDIANS, "n_points", *ratios, "marks", "note"]]
 
 
