@@ -94,15 +94,16 @@ def strategy_table(rows: pd.DataFrame) -> pd.DataFrame:
     """Per workload (WORKLOAD_COLUMNS, the one with the most treatments first), one line per KV treatment (cache,
     kv_dtype and options) of its ok rows: the workload's columns and label, the medians of STRATEGY_MEDIANS over the
     rows of that workload and treatment, n_points, the ratios against the baseline of the same workload
-    (STRATEGY_RATIOS; null, with a note, where it has none) and the marks of rows not to trust. Never a median across
-    two workloads. A column the rows lack is NaN."""
+    (STRATEGY_RATIOS; null, with a note, where it has none; TPOT_RATIO_CI where samples allow) and the marks of rows
+    not to trust. Never a median across two workloads. A column the rows lack is NaN."""
     require(rows, ["cache", "kv_dtype"])
     ok = ok_rows(rows)
+    names = workload_label(ok)  # once: it names what varies across all the rows
     parts = []
     for group in workload_groups(ok):
         table = _treatments(group)
         workload = {column: group[column].iloc[0] for column in WORKLOAD_COLUMNS if column in group.columns}
-        parts.append(table.assign(workload=workload_label(ok).loc[group.index[0]], **workload))
+        parts.append(table.assign(workload=names.loc[group.index[0]], **workload))
     if not parts:
         columns = ["workload", *KV_COLUMNS[:2], "treatment", *STRATEGY_MEDIANS, "n_points"]
         return pd.DataFrame(columns=[*columns, *STRATEGY_RATIOS.values(), *TPOT_RATIO_CI, "marks", "note"])
