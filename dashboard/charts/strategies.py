@@ -21,6 +21,7 @@ from dashboard.charts.common import (
     treatment_keys,
     treatment_label,
     workload_groups,
+    workload_keys,
     workload_label,
 )
 from harness.formats import EXACT_REFERENCE
@@ -39,48 +40,8 @@ TPOT_RATIO_CI = ("tpot_ratio_low", "tpot_ratio_high")
 NO_BASELINE = f"no baseline in this workload ({EXACT_REFERENCE} at kv_dtype = dtype): ratios left empty"
 
 
-def _treatments(group: pd.DataFrame) -> pd.DataFrame:
-    """One workload's ok rows, one line per KV treatment: the medians of STRATEGY_MEDIANS over its rows (repeats of
-    the same point, e.g. from two sweeps), n_points, marks, and the ratios against the group's baseline."""
-    frame = pd.DataFrame(
-        {
-            "treatment": treatment_label(group),
-            "baseline": is_baseline(group),
-            "marks": row_marks(group),
-            "tpot_ms": numbers(group, "tpot_ms"),
-            "ttft_ms": numbers(group, "ttft_ms"),
-            "kv_allocated_mib": numbers(group, "kv_bytes_allocated") / MIB_BYTES,
-            "kv_waste_fraction": numbers(group, "kv_waste_fraction"),
-            "top1_agreement": numbers(group, "top1_agreement"),
-            "kl_mean": numbers(group, "kl_mean"),
-            **{column: texts(group, column) for column in KV_COLUMNS[:2]},
-        },
-        index=group.index,
-    )
-    frame["samples"] = group.get("tpot_samples_ms")  # a list per row, or null
-    frame["_key"] = treatment_keys(group)
-    table = frame.groupby("_key", sort=False).agg(
-        cache=("cache", "first"),
-        kv_dtype=("kv_dtype", "first"),
-        treatment=("treatment", "first"),
-        baseline=("baseline", "first"),
-        **{column: (column, "median") for column in STRATEGY_MEDIANS},
-        n_points=("tpot_ms", "size"),
-        marks=("marks", lambda marks: ", ".join(sorted({word for cell in marks for word in cell.split(", ") if word}))),
-        samples=("samples", _pooled),
-    )
-    table = table.sort_values(["baseline", "cache", "kv_dtype", "treatment"], ascending=[False, True, True, True])
-    baseline = table[table["baseline"]]
-    for figure, ratio in STRATEGY_RATIOS.items():
-        table[ratio] = table[figure] / baseline[figure].iloc[0] if len(baseline) else np.nan
-    base_samples = baseline["samples"].iloc[0] if len(baseline) else None
-    intervals = [
-        ratio_ci(base_samples, samples)[1:] if base_samples and samples else (np.nan, np.nan)
-        for samples in table["samples"]
-    ]
-    table[list(TPOT_RATIO_CI)] = pd.DataFrame(intervals, index=table.index, dtype="float64")
-    table["note"] = "" if len(baseline) else NO_BASELINE
-    return table.drop(columns="samples").reset_index(drop=True)
+def _joined_marks(marks: pd.Series) -> str:
+    return ", ".join(sorted({word for cell in marks for word in cell.split(", ") if word}))
 
 
 def _pooled(cells: pd.Series) -> list[float] | None:
@@ -91,26 +52,68 @@ def _pooled(cells: pd.Series) -> list[float] | None:
 
 
 def strategy_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """Per workload (WORKLOAD_COLUMNS, the one with the most treatments first), one line per KV treatment (cache,
-    kv_dtype and options) of its ok rows: the workload's columns and label, the medians of STRATEGY_MEDIANS over the
-    rows of that workload and treatment, n_points, the ratios against the baseline of the same workload
-    (STRATEGY_RATIOS; null, with a note, where it has none; TPOT_RATIO_CI where samples allow) and the marks of rows
-    not to trust. Never a median across two workloads. A column the rows lack is NaN."""
+    """Per workload (WORKLOAD_COLUMNS; the one with the most treatments first, as workload_groups), one line per KV
+    treatment (cache, kv_dtype and options) of its ok rows: the workload's columns and label, the medians of
+    STRATEGY_MEDIANS over the rows of that workload and treatment (repeats of one point, e.g. from two sweeps),
+    n_points, the ratios against the baseline of the same workload (STRATEGY_RATIOS, 1.0 on the baseline's line;
+    null, with a note, where the workload has none; TPOT_RATIO_CI where samples allow) and the marks of rows not to
+    trust. Never a median across two workloads. A column the rows lack is NaN."""
     require(rows, ["cache", "kv_dtype"])
     ok = ok_rows(rows)
-    names = workload_label(ok)  # once: it names what varies across all the rows
-    parts = []
-    for group in workload_groups(ok):
-        table = _treatments(group)
-        workload = {column: group[column].iloc[0] for column in WORKLOAD_COLUMNS if column in group.columns}
-        parts.append(table.assign(workload=names.loc[group.index[0]], **workload))
-    if not parts:
-        columns = ["workload", *KV_COLUMNS[:2], "treatment", *STRATEGY_MEDIANS, "n_points"]
-        return pd.DataFrame(columns=[*columns, *STRATEGY_RATIOS.values(), *TPOT_RATIO_CI, "marks", "note"])
-    table = pd.concat(parts, ignore_index=True)
-    first = ["workload", *[c for c in WORKLOAD_COLUMNS if c in table.columns], "cache", "kv_dtype", "treatment"]
-    ratios = [*STRATEGY_RATIOS.values(), *TPOT_RATIO_CI]
-    return table[[*first, *STRATEGY_MEDIANS, "n_points", *ratios, "marks", "note"]]
+    columns = ["workload", *WORKLOAD_COLUMNS, *KV_COLUMNS[:2], "treatment", *STRATEGY_MEDIANS, "n_points"]
+    columns += [*STRATEGY_RATIOS.values(), *TPOT_RATIO_CI, "marks", "note"]
+    if ok.empty:
+        return pd.DataFrame(columns=[c for c in columns if c not in WORKLOAD_COLUMNS or c in ok.columns])
+    # Every per-row figure once over all the rows, then one groupby: 100k rows of 23 workloads in well under 1 s.
+    frame = pd.DataFrame(
+        {
+            "_workload": workload_keys(ok),
+            "_treatment": treatment_keys(ok),
+            "workload": workload_label(ok),
+            **{column: ok[column] for column in WORKLOAD_COLUMNS if column in ok.columns},
+            **{column: texts(ok, column) for column in KV_COLUMNS[:2]},
+            "treatment": treatment_label(ok),
+            "baseline": is_baseline(ok),
+            "marks": row_marks(ok),
+            "tpot_ms": numbers(ok, "tpot_ms"),
+            "ttft_ms": numbers(ok, "ttft_ms"),
+            "kv_allocated_mib": numbers(ok, "kv_bytes_allocated") / MIB_BYTES,
+            "kv_waste_fraction": numbers(ok, "kv_waste_fraction"),
+            "top1_agreement": numbers(ok, "top1_agreement"),
+            "kl_mean": numbers(ok, "kl_mean"),
+            "samples": ok.get("tpot_samples_ms"),  # a list per row, or null
+        },
+        index=ok.index,
+    )
+    firsts = ["workload", *[c for c in WORKLOAD_COLUMNS if c in ok.columns], *KV_COLUMNS[:2], "treatment", "baseline"]
+    # "first" of a workload column: its rows agree on it (the key), null in every one or in none
+    table = frame.groupby(["_workload", "_treatment"], sort=False).agg(
+        **{column: (column, "first") for column in firsts},
+        **{column: (column, "median") for column in STRATEGY_MEDIANS},
+        n_points=("tpot_ms", "size"),
+        marks=("marks", _joined_marks),
+        samples=("samples", _pooled),
+    )
+    workload = table.index.get_level_values("_workload")
+    baseline = table[table["baseline"]].reset_index("_treatment").groupby(level="_workload").first()
+    for figure, ratio in STRATEGY_RATIOS.items():
+        table[ratio] = table[figure].to_numpy() / baseline[figure].reindex(workload).to_numpy()
+    base_samples = baseline["samples"].reindex(workload).to_numpy()
+    table[list(TPOT_RATIO_CI)] = [
+        ratio_ci(base, samples)[1:] if base and samples else (np.nan, np.nan)
+        for base, samples in zip(base_samples, table["samples"], strict=True)
+    ]
+    table["note"] = np.where(workload.isin(baseline.index), "", NO_BASELINE)
+    # The workloads in workload_groups' order: the most treatments, then the most rows, then by key; the baseline
+    # first within each.
+    n_treatments = pd.Series(workload).groupby(workload).transform("size").to_numpy()
+    n_rows = table["n_points"].groupby(level="_workload").transform("sum").to_numpy()
+    table = table.assign(_n_treatments=-n_treatments, _n_rows=-n_rows, _key=workload).sort_values(
+        ["_n_treatments", "_n_rows", "_key", "baseline", "cache", "kv_dtype", "treatment"],
+        ascending=[True, True, True, False, True, True, True],
+        kind="stable",
+    )
+    return table.reset_index(drop=True)[[c for c in columns if c in table.columns]]
 
 
 def pareto_front(x: pd.Series, y: pd.Series) -> pd.Series:
