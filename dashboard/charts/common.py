@@ -8,7 +8,11 @@ Rows come from many schema versions and many outcomes, so every chart:
   - raises MissingColumns, before any work, when a column it cannot do without is absent or entirely null;
   - plots only status == "ok" rows (memory_ledger: ok and oom), and with none left returns a figure that says
     "no ok rows" instead of failing;
-  - reads numbers through `numbers()`, so nullable Int64/boolean columns and None cells become float NaN.
+  - reads numbers through `numbers()`, so nullable Int64/boolean columns and None cells become float NaN;
+  - never aggregates across workloads: a view that compares strategies or formats groups by workload_keys
+    (WORKLOAD_COLUMNS, a null a value of its own) or labels what varies (labels, workload_label), and takes ratios
+    against is_baseline in the same workload;
+  - marks rows not to trust (row_marks: converged False, host_busy True; a null, "not recorded", never).
 """
 
 from __future__ import annotations
