@@ -190,12 +190,20 @@ KEY_SEPARATOR = "\x1f"  # the unit separator: no display text holds it
 
 def _keys(rows: pd.DataFrame, columns: tuple[str, ...]) -> pd.Series:
     """One string per row joining `columns` as display text (texts: a null is "-"), absent columns left out.
-    Strings, not tuples: joined column-wise they cost a second on 100k rows where tuples cost several."""
-    key = pd.Series("", index=rows.index, dtype=object)
-    for column in columns:
-        if column in rows.columns:
-            key = key + KEY_SEPARATOR + texts(rows, column).astype(object)
-    return key
+
+    Strings compare across frames (a table against the rows behind it). They are built once per distinct
+    combination (a groupby, nulls kept as a group of their own) and mapped back: 100k rows in a few hundredths of
+    a second, where texts() on every row would take a second."""
+    present = [column for column in columns if column in rows.columns]
+    if rows.empty or not present:
+        return pd.Series("", index=rows.index, dtype=object)
+    codes = rows.groupby(present, dropna=False, sort=False).ngroup()
+    distinct = rows.loc[codes.drop_duplicates().index, present]
+    key = pd.Series("", index=distinct.index, dtype=object)
+    for column in present:
+        key = key + KEY_SEPARATOR + texts(distinct, column).astype(object)
+    by_code = pd.Series(key.to_numpy(), index=codes.loc[distinct.index].to_numpy())
+    return pd.Series(by_code.reindex(codes.to_numpy()).to_numpy(), index=rows.index, dtype=object)
 
 
 def workload_keys(rows: pd.DataFrame) -> pd.Series:
