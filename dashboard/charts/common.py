@@ -25,7 +25,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 
 from harness.formats import EXACT_REFERENCE
-from harness.store.schema import KV_COLUMNS, WORKLOAD_COLUMNS
+from harness.store.schema import KV_COLUMNS, POINT_KEY_COLUMNS, WORKLOAD_COLUMNS
 
 SCATTERGL_MIN_POINTS = 5000  # above this an SVG scatter makes the browser crawl; WebGL draws 100k points smoothly
 LOG2_DTICK = math.log10(2)  # a log axis with this dtick ticks at 1, 2, 4, 8, ...
@@ -117,7 +117,19 @@ def texts(rows: pd.DataFrame, column: str) -> pd.Series:
 def labels(rows: pd.DataFrame, keys: tuple[str, ...], *, always: tuple[str, ...] = ()) -> pd.Series:
     """A short label per row naming the `keys` that take more than one value among `rows` (plus `always`): the
     text ones as words, then the quantities, e.g. "small bf16 contiguous, prompt 512". A KV option (block_size,
-    window, ...) is named only where the row has one: its null means the strategy has no such option."""
+    window, ...) is named only where the row has one: its null means the strategy has no such option.
+
+    Each distinct combination of the keys is labelled once and mapped back (100k rows hold a few hundred)."""
+    present = [key for key in dict.fromkeys(keys) if key in rows.columns]
+    if rows.empty or not present:
+        return pd.Series("", index=rows.index, dtype=object).astype(str)
+    codes = rows.groupby(present, dropna=False, sort=False).ngroup()
+    distinct = rows.loc[codes.drop_duplicates().index, present]  # the same values, so the same varying keys
+    by_code = pd.Series(_labels(distinct, keys, always=always).to_numpy(), index=codes.loc[distinct.index].to_numpy())
+    return pd.Series(by_code.reindex(codes.to_numpy()).to_numpy(), index=rows.index, dtype=object).astype(str)
+
+
+def _labels(rows: pd.DataFrame, keys: tuple[str, ...], *, always: tuple[str, ...]) -> pd.Series:
     words, quantities = [], []
     for key in keys:
         if key not in rows.columns or (key not in always and rows[key].nunique(dropna=False) <= 1):
@@ -215,6 +227,11 @@ def workload_keys(rows: pd.DataFrame) -> pd.Series:
 def treatment_keys(rows: pd.DataFrame) -> pd.Series:
     """A key per row: how it kept its KV (KV_COLUMNS as display text, nulls as "-")."""
     return _keys(rows, KV_COLUMNS)
+
+
+def point_keys(rows: pd.DataFrame) -> pd.Series:
+    """A key per row: the whole point key (POINT_KEY_COLUMNS: the workload and the KV treatment), nulls as "-"."""
+    return _keys(rows, POINT_KEY_COLUMNS)
 
 
 def workload_label(rows: pd.DataFrame) -> pd.Series:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from dashboard.charts.common import LOG2_DTICK, colour, labels, message_figure, numbers, require, texts
-from harness.store.schema import KV_COLUMNS, POINT_KEY_COLUMNS, WORKLOAD_COLUMNS
+from dashboard.charts.common import LOG2_DTICK, colour, labels, message_figure, numbers, point_keys, require, texts
+from harness.store.schema import KV_COLUMNS, WORKLOAD_COLUMNS
 
 GIB_BYTES = 2**30
 MIB_BYTES = 2**20
@@ -81,10 +81,7 @@ def memory_ledger(rows: pd.DataFrame, *, capacity_bytes: float | None = None) ->
     points["label"] = points["label"].where(variant == "", points["label"] + " " + variant)
     # Rows of one label but different points (e.g. prompt 992 + gen 32 beside 1000 + 24) are told apart by their
     # prompt and gen; rows of the same point (repeats from several sweeps) share a bar: its median.
-    keys = pd.Series(
-        list(pd.DataFrame({k: texts(kept, k) for k in POINT_KEY_COLUMNS}).itertuples(index=False, name=None)),
-        index=kept.index,
-    )
+    keys = point_keys(kept)
     clash = keys.groupby(points["label"]).transform("nunique") > 1
     split = points["label"] + ", prompt " + texts(kept, "prompt_len") + ", gen " + texts(kept, "gen_len")
     points["label"] = points["label"].where(~clash, split)
