@@ -3,43 +3,42 @@ front, within one workload at a time: rows of different workloads (WORKLOAD_COLU
 
 import streamlit as st
 
-from dashboard.charts.common import MissingColumns, marks_warning, ok_rows, workload_groups, workload_label
-from dashboard.charts.strategies import strategy_pareto, strategy_table
+from dashboard.charts.common import MARKS, MissingColumns, marks_warning, ok_rows, workload_label
+from dashboard.charts.strategies import PARETO_COLUMNS, strategy_pareto, strategy_table
 from dashboard.sidebar import page_rows, plot
 from harness.formats import EXACT_REFERENCE
+from harness.store.schema import WORKLOAD_COLUMNS
 
 WORKLOAD_KEY = "strategies_workload"  # the selectbox's key: a test can read or set the workload shown
 
 st.title("Cache strategies")
 rows = page_rows()
 
-ok = ok_rows(rows)
-groups = workload_groups(ok)  # the one with the most treatments first: the default
-names = workload_label(ok)  # strategy_table labels each line's workload the same way
-choice = None
-if len(groups) > 1:
-    options = [names.loc[group.index[0]] for group in groups]
+try:
+    table = strategy_table(rows)  # every workload's lines, the one with the most treatments first
+except MissingColumns as exc:
+    st.warning(f"strategy table: {exc}")
+    st.stop()
+options = list(dict.fromkeys(table["workload"]))
+choice = options[0] if options else None
+if len(options) > 1:
     st.warning(
-        f"The selected rows hold {len(groups)} different workloads (model, dtype, batch, prompt, ...): strategies "
+        f"The selected rows hold {len(options)} different workloads (model, dtype, batch, prompt, ...): strategies "
         "compare only within one. Choose it below, or narrow the filters in the sidebar."
     )
     choice = st.selectbox("workload", options, index=0, key=WORKLOAD_KEY)
-    chosen = groups[options.index(choice)]
-else:
-    chosen = ok
+# The chosen workload's rows, narrowed to what the chart and the marks read; labelled as strategy_table does.
+ok = ok_rows(rows, [*PARETO_COLUMNS, *WORKLOAD_COLUMNS, *(column for column, _, _ in MARKS)])
+chosen = ok[(workload_label(ok) == choice).to_numpy()] if len(options) > 1 else ok
 if warning := marks_warning(chosen):
     st.warning(warning)
 
-try:
-    table = strategy_table(rows)
-except MissingColumns as exc:
-    st.warning(f"strategy table: {exc}")
-else:
-    st.dataframe(table if choice is None else table[table["workload"] == choice], hide_index=True)
-    st.caption(
-        f"One line per KV treatment (cache, kv_dtype, options); several rows of one treatment (repeats from different "
-        f"sweeps) are combined by their median, n_points says how many. Ratios are against this workload's "
-        f"{EXACT_REFERENCE} at kv_dtype = dtype. marks: rows that did not converge or ran on a busy host."
-    )
+st.dataframe(table[table["workload"] == choice] if len(options) > 1 else table, hide_index=True)
+st.caption(
+    f"One line per KV treatment (cache, kv_dtype, options); several rows of one treatment (repeats from different "
+    f"sweeps) are combined by their median, n_points says how many, and their TPOT samples pooled for the interval. "
+    f"Ratios are against this workload's {EXACT_REFERENCE} at kv_dtype = dtype. marks: rows that did not converge "
+    "or ran on a busy host."
+)
 plot("strategy Pareto front", strategy_pareto, chosen)
 st.caption("Every strategy against every format on one workload: `python -m experiments.decode experiment=strategies`")

@@ -31,6 +31,16 @@ NO_BATCH_SWEEP = "no batch sweep: every config here was measured at one batch si
 IDENTITY_KEYS = ("model", "device_name", "dtype", "kv_dtype", "cache") + tuple(
     key for key in POINT_KEY_COLUMNS if key not in ("model", "dtype", "kv_dtype", "cache", "batch_size", "prompt_len")
 )
+SWEEP_COLUMNS = (  # what batch_sweep reads besides its metric and IDENTITY_KEYS
+    "batch_size",
+    "prompt_len",
+    "tpot_ms",
+    "predicted_tpot_ms",
+    "flops_per_step",
+    "peak_tflops",
+    "critical_batch",
+    "critical_context",
+)
 KV_OPTIONS = KV_COLUMNS[2:]  # kept raw in the points: labels() names an option only where a row has one
 SWEEP_METRICS = {  # metric -> (y-axis title, figure title)
     "decode_tok_s": ("decode throughput (tok/s)", "Decode throughput against batch size"),
@@ -83,7 +93,7 @@ def batch_sweep(rows: pd.DataFrame, *, metric: str = "decode_tok_s") -> go.Figur
     require(rows, ["batch_size", "prompt_len", metric])
     y_title, title = SWEEP_METRICS[metric]
     x_title = "batch size (sequences)"
-    ok = ok_rows(rows)
+    ok = ok_rows(rows, [*SWEEP_COLUMNS, metric, *IDENTITY_KEYS])  # narrowed first: 100k rows of 130 columns
     ok = ok[numbers(ok, metric).notna() & (numbers(ok, "batch_size") > 0) & numbers(ok, "prompt_len").notna()]
     if ok.empty:
         return message_figure(title=title, x_title=x_title, y_title=y_title)

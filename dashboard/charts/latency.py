@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 
 from dashboard.charts.common import (
     LOG2_DTICK,
+    MARKS,
     colour,
     labels,
     message_figure,
@@ -19,6 +20,8 @@ from dashboard.charts.common import (
     row_marks,
 )
 from harness.store.schema import POINT_KEY_COLUMNS
+
+MARK_COLUMNS = tuple(column for column, _, _ in MARKS)
 
 # Every field of the point key, the usual ones first: a label names those that vary among the rows drawn, so a line
 # or a bar never takes a median across two workloads or two KV treatments.
@@ -36,7 +39,7 @@ def ttft_vs_prompt(rows: pd.DataFrame) -> go.Figure:
     require(rows, ["prompt_len", "ttft_ms"])
     title = "Time to first token against prompt length"
     x_title, y_title = "prompt length (tokens)", "time to first token (ms)"
-    ok = ok_rows(rows)
+    ok = ok_rows(rows, ["prompt_len", "ttft_ms", *POINT_KEYS, *MARK_COLUMNS])  # narrowed first: 100k rows
     points = pd.DataFrame({"prompt_len": numbers(ok, "prompt_len"), "ttft_ms": numbers(ok, "ttft_ms")})
     line_keys = ("cache", *(key for key in POINT_KEYS if key not in ("cache", "prompt_len")))
     points["line"] = labels(ok, line_keys, always=tuple(key for key in ("cache", "batch_size") if key in ok))
@@ -117,7 +120,7 @@ def tpot_percentiles(rows: pd.DataFrame) -> go.Figure:
     require(rows, ["tpot_ms"])
     title = "Time per output token: median, p90 and p99 over repeats"
     x_title, y_title = "point", "time per output token (ms)"
-    ok = ok_rows(rows)
+    ok = ok_rows(rows, ["tpot_ms", "tpot_p90_ms", "tpot_p99_ms", *POINT_KEYS, *MARK_COLUMNS])
     ok = ok[numbers(ok, "tpot_ms").notna().to_numpy()]
     if ok.empty:
         return message_figure(title=title, x_title=x_title, y_title=y_title)

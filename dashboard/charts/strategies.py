@@ -31,6 +31,7 @@ from harness.store.schema import KV_COLUMNS, WORKLOAD_COLUMNS
 MIB_BYTES = 2**20
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "cross", "star", "hexagon", "triangle-down", "pentagon")
 PARETO_HOVER_NUMBERS = ("batch_size", "prompt_len", "top1_agreement")
+PARETO_COLUMNS = ("kv_bytes_allocated", "tpot_ms", *PARETO_HOVER_NUMBERS, *KV_COLUMNS)  # besides the workload's
 STRATEGY_MEDIANS = ("tpot_ms", "ttft_ms", "kv_allocated_mib", "kv_waste_fraction", "top1_agreement", "kl_mean")
 # figure -> its ratio column: treatment / the baseline of the same workload (1.0 on the baseline's own line)
 STRATEGY_RATIOS = {"tpot_ms": "tpot_ratio", "ttft_ms": "ttft_ratio", "kv_allocated_mib": "kv_allocated_ratio"}
@@ -136,8 +137,7 @@ def strategy_pareto(rows: pd.DataFrame) -> go.Figure:
     require(rows, ["kv_bytes_allocated", "tpot_ms", "cache", "kv_dtype"])
     title = "KV memory against time per output token"
     x_title, y_title = "KV allocated (MiB)", "time per output token (ms)"
-    columns = ["kv_bytes_allocated", "tpot_ms", *PARETO_HOVER_NUMBERS, *KV_COLUMNS, *WORKLOAD_COLUMNS]
-    ok = ok_rows(rows, [*columns, *(column for column, _, _ in MARKS)])
+    ok = ok_rows(rows, [*PARETO_COLUMNS, *WORKLOAD_COLUMNS, *(column for column, _, _ in MARKS)])
     ok = ok[(numbers(ok, "kv_bytes_allocated").notna() & numbers(ok, "tpot_ms").notna()).to_numpy()]
     groups = workload_groups(ok)
     if not groups:
