@@ -121,12 +121,8 @@ def labels(rows: pd.DataFrame, keys: tuple[str, ...], *, always: tuple[str, ...]
 
     Each distinct combination of the keys is labelled once and mapped back (100k rows hold a few hundred)."""
     present = [key for key in dict.fromkeys(keys) if key in rows.columns]
-    if rows.empty or not present:
-        return pd.Series("", index=rows.index, dtype=object).astype(str)
-    codes = rows.groupby(present, dropna=False, sort=False).ngroup()
-    distinct = rows.loc[codes.drop_duplicates().index, present]  # the same values, so the same varying keys
-    by_code = pd.Series(_labels(distinct, keys, always=always).to_numpy(), index=codes.loc[distinct.index].to_numpy())
-    return pd.Series(by_code.reindex(codes.to_numpy()).to_numpy(), index=rows.index, dtype=object).astype(str)
+    # the distinct combinations hold the same values, so the same keys vary among them as among all the rows
+    return per_distinct(rows, present, lambda part: _labels(part, keys, always=always)).astype(str)
 
 
 def _labels(rows: pd.DataFrame, keys: tuple[str, ...], *, always: tuple[str, ...]) -> pd.Series:
@@ -200,22 +196,30 @@ def colour(i: int) -> str:
 KEY_SEPARATOR = "\x1f"  # the unit separator: no display text holds it
 
 
+def per_distinct(rows: pd.DataFrame, columns: list[str], build) -> pd.Series:
+    """build(part) -> a Series per row of `part`, computed on one row per distinct combination of `columns` (nulls a
+    value of their own) and mapped back to every row: 100k rows hold a few hundred combinations, and build's
+    texts() and string joins then cost hundredths of a second instead of a second."""
+    if rows.empty or not columns:
+        return build(rows)
+    codes = rows.groupby(columns, dropna=False, sort=False).ngroup()
+    distinct = rows.loc[codes.drop_duplicates().index, columns]
+    by_code = pd.Series(build(distinct).to_numpy(), index=codes.loc[distinct.index].to_numpy())
+    return pd.Series(by_code.reindex(codes.to_numpy()).to_numpy(), index=rows.index, dtype=object)
+
+
 def _keys(rows: pd.DataFrame, columns: tuple[str, ...]) -> pd.Series:
     """One string per row joining `columns` as display text (texts: a null is "-"), absent columns left out.
-
-    Strings compare across frames (a table against the rows behind it). They are built once per distinct
-    combination (a groupby, nulls kept as a group of their own) and mapped back: 100k rows in a few hundredths of
-    a second, where texts() on every row would take a second."""
+    Strings compare across frames (a table against the rows behind it)."""
     present = [column for column in columns if column in rows.columns]
-    if rows.empty or not present:
-        return pd.Series("", index=rows.index, dtype=object)
-    codes = rows.groupby(present, dropna=False, sort=False).ngroup()
-    distinct = rows.loc[codes.drop_duplicates().index, present]
-    key = pd.Series("", index=distinct.index, dtype=object)
-    for column in present:
-        key = key + KEY_SEPARATOR + texts(distinct, column).astype(object)
-    by_code = pd.Series(key.to_numpy(), index=codes.loc[distinct.index].to_numpy())
-    return pd.Series(by_code.reindex(codes.to_numpy()).to_numpy(), index=rows.index, dtype=object)
+
+    def join(part: pd.DataFrame) -> pd.Series:
+        key = pd.Series("", index=part.index, dtype=object)
+        for column in present:
+            key = key + KEY_SEPARATOR + texts(part, column).astype(object)
+        return key
+
+    return per_distinct(rows, present, join)
 
 
 def workload_keys(rows: pd.DataFrame) -> pd.Series:
@@ -243,13 +247,16 @@ def workload_label(rows: pd.DataFrame) -> pd.Series:
 def treatment_label(rows: pd.DataFrame) -> pd.Series:
     """A label per row for its KV treatment: cache and kv_dtype, then each option it has, e.g. "paged int4, block
     16, group 64, residual 0"."""
-    label = texts(rows, "cache") + " " + texts(rows, "kv_dtype")
-    for column in KV_COLUMNS[2:]:
-        if column in rows.columns:
-            prefix, suffix = LABEL_FORMATS[column].split("{}")
-            option = (", " + prefix + texts(rows, column) + suffix).where(rows[column].notna(), "")
-            label = label + option
-    return label.astype(str)
+
+    def label(part: pd.DataFrame) -> pd.Series:
+        text = texts(part, "cache") + " " + texts(part, "kv_dtype")
+        for column in KV_COLUMNS[2:]:
+            if column in part.columns:
+                prefix, suffix = LABEL_FORMATS[column].split("{}")
+                text = text + (", " + prefix + texts(part, column) + suffix).where(part[column].notna(), "")
+        return text
+
+    return per_distinct(rows, [column for column in KV_COLUMNS if column in rows.columns], label).astype(str)
 
 
 def workload_groups(rows: pd.DataFrame) -> list[pd.DataFrame]:

@@ -117,9 +117,10 @@ def _roofline_points(
     shown: set[str] = set()
     parts = hover_groups(points, text_fields=ROOFLINE_HOVER_TEXT, number_fields=ROOFLINE_HOVER_NUMBERS)
     for part, template, customdata in parts:
-        dtype = texts(part, "dtype").iloc[0]
+        first = part.iloc[:1]  # a part shares its text fields: read them off one row
+        dtype = texts(first, "dtype").iloc[0]
         name = phase if len(axes) == 1 else f"{phase} {dtype}"
-        marked = texts(part, "marks").iloc[0] != "none"
+        marked = texts(first, "marks").iloc[0] != "none"
         batch = numbers(part, "batch_size")
         colour_value = np.log2(batch.where(batch > 0)).fillna(0.0)  # the colour scale is log2(batch)
         traces.append(

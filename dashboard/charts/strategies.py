@@ -42,13 +42,13 @@ NO_BASELINE = f"no baseline in this workload ({EXACT_REFERENCE} at kv_dtype = dt
 
 
 def _joined_marks(marks: pd.Series) -> str:
-    return ", ".join(sorted({word for cell in marks for word in cell.split(", ") if word}))
+    return ", ".join(sorted({word for cell in set(marks) for word in cell.split(", ") if word}))
 
 
 def _pooled(cells: pd.Series) -> list[float] | None:
     """The tpot_samples_ms of a treatment's rows, one list (repeats from several sweeps pooled); None when no row
     recorded any."""
-    pooled = [float(v) for cell in cells if isinstance(cell, list | tuple | np.ndarray) for v in cell]
+    pooled = [float(v) for cell in cells.dropna() if isinstance(cell, list | tuple | np.ndarray) for v in cell]
     return pooled or None
 
 
