@@ -136,3 +136,53 @@ def test_a_chart_module_imports_without_torch(module):
     probe = f"import sys, dashboard.charts.{module}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ------------------------------------------------------------------------------------------- like with like, marks
+
+
+def test_workload_groups_split_rows_by_every_workload_column_nulls_included():
+    from dashboard.charts import common
+
+    rows = frame(point(), point(kv_dtype="int8"), point(batch_size=2), point(compile="none"), point(compile=None))
+    groups = common.workload_groups(rows)
+    # batch 1 (compile absent in three rows: null), batch 2, compile "none": the null rows are a workload of their own
+    assert sorted(len(group) for group in groups) == [1, 1, 3]
+    assert len(groups[0]) == 3  # the workload with the most treatments comes first
+
+
+def test_workload_label_names_the_fields_that_vary():
+    from dashboard.charts import common
+
+    rows = frame(point(), point(dtype="fp32", batch_size=2))
+    assert common.workload_label(rows).tolist() == ["bf16, batch 1", "fp32, batch 2"]
+    assert common.workload_label(frame(point())).tolist() == ["all rows"]
+
+
+def test_the_baseline_is_the_exact_strategy_at_the_compute_dtype():
+    from dashboard.charts import common
+
+    rows = frame(point(), point(kv_dtype="fp32"), point(cache="paged"))
+    assert common.is_baseline(rows).tolist() == [True, False, False]
+
+
+def test_rows_are_marked_when_not_converged_or_the_host_was_busy_and_never_for_nulls():
+    from dashboard.charts import common
+
+    rows = pd.DataFrame(
+        {
+            "status": "ok",
+            "converged": pd.array([False, True, None, None], dtype="boolean"),
+            "host_busy": pd.array([True, None, None, True], dtype="boolean"),
+        }
+    )
+    assert common.row_marks(rows).tolist() == ["not converged, host busy", "", "", "host busy"]
+    assert common.marks_warning(rows).startswith("1 not converged and 2 host busy (of 4 ok rows)")
+    assert common.marks_warning(rows.assign(converged=None, host_busy=None)) is None
+
+
+def test_the_batch_sweep_never_draws_one_line_through_two_workloads():
+    # The same cache, format and prompt, but two generation lengths: two sweeps, not one median per batch.
+    rows = pd.concat([sweep({1: 10.0, 2: 10.0}), sweep({1: 30.0, 2: 30.0}, gen_len=256)], ignore_index=True)
+    lines = [t for t in batch_sweep(rows, metric="tpot_ms").data if t.mode == "lines+markers"]
+    assert sorted(list(t.y) for t in lines) == [[10.0, 10.0], [30.0, 30.0]]

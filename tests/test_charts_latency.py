@@ -48,3 +48,30 @@ def test_tpot_percentiles_are_grouped_bars_of_median_p90_and_p99_per_point():
     fig = tpot_percentiles(frame(point(), point(cache="paged", tpot_ms=20.0)))
     assert trace_names(fig) == ["median", "p90", "p99"] and fig.layout.barmode == "group"
     assert list(trace(fig, "median").x) == ["contiguous", "paged"] and list(trace(fig, "median").y) == [10.0, 20.0]
+
+
+def test_ttft_vs_prompt_never_draws_one_line_through_two_workloads():
+    rows = frame(point(ttft_ms=5.0), point(ttft_ms=9.0, gen_len=256), point(ttft_ms=7.0, dtype="fp32"))
+    fig = ttft_vs_prompt(rows)
+    assert len(fig.data) == 3 and sorted(y for t in fig.data for y in t.y) == [5.0, 7.0, 9.0]
+
+
+def test_ttft_vs_prompt_draws_a_point_not_to_trust_with_an_open_marker():
+    rows = frame(point(prompt_len=32, converged=False), point(prompt_len=512, converged=None))
+    line = ttft_vs_prompt(rows).data[0]
+    assert list(line.marker.symbol) == ["circle-open", "circle"]
+    assert list(line.hovertext) == ["not converged", "-"]
+
+
+def test_tpot_percentiles_never_combine_two_workloads_into_one_bar():
+    fig = tpot_percentiles(frame(point(prefix_len=0), point(prefix_len=128, tpot_ms=30.0), point(prefix_len=0)))
+    assert sorted(trace(fig, "median").y) == [10.0, 30.0]  # prefix 0 twice (one point, its median), prefix 128
+
+
+def test_latency_charts_name_the_rows_not_to_trust_and_never_a_null():
+    rows = frame(point(host_busy=True), point(cache="paged", host_busy=None, converged=None))
+    assert list(trace(tpot_percentiles(rows), "median").x) == ["contiguous (host busy)", "paged"]
+    assert trace_names(itl_curves(rows)) == [
+        "contiguous, prompt 512, batch 1 (host busy)",
+        "paged, prompt 512, batch 1",
+    ]

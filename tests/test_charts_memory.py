@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from dashboard.charts.memory import PLANNER_COLUMN, frontier, memory_ledger
-from tests.charts_rows import GIB, frame, point, trace, trace_names
+from tests.charts_rows import GIB, annotation_texts, frame, point, trace, trace_names
 
 # --------------------------------------------------------------------------------------------------------- memory
 
@@ -102,3 +102,24 @@ def test_frontier_skips_a_context_whose_search_failed():
     table = frontier_table()
     table.loc[1, "measured_max_batch"] = None
     assert list(trace(frontier(table), "measured").x) == [512, 8192]
+
+
+def test_memory_ledger_of_a_cpu_sized_point_reads_in_mib():
+    small = dict(weights_bytes=80 * 2**20, kv_bytes_allocated=8 * 2**20, kv_bytes_predicted=8 * 2**20)
+    fig = memory_ledger(frame(point(**small, peak_mem_bytes=120 * 2**20, mem_baseline_bytes=10 * 2**20)))
+    assert fig.layout.yaxis.title.text == "memory (MiB)"
+    assert list(trace(fig, "weights").y) == [80.0] and list(trace(fig, "KV allocated").y) == [8.0]
+    assert "MiB" in trace(fig, "weights").hovertemplate
+
+
+def test_memory_ledger_of_a_gpu_sized_point_reads_in_gib():
+    big = dict(weights_bytes=40 * GIB, kv_bytes_allocated=10 * GIB, kv_bytes_predicted=10 * GIB)
+    fig = memory_ledger(frame(point(**big, peak_mem_bytes=52 * GIB, mem_baseline_bytes=GIB)), capacity_bytes=141 * GIB)
+    assert fig.layout.yaxis.title.text == "memory (GiB)"
+    assert list(trace(fig, "weights").y) == [40.0] and "GiB" in trace(fig, "KV allocated").hovertemplate
+    assert "device capacity 141 GiB" in annotation_texts(fig)
+
+
+def test_memory_ledger_never_combines_two_workloads_into_one_bar():
+    fig = memory_ledger(frame(point(kv_bytes_allocated=GIB), point(kv_bytes_allocated=3 * GIB, prefix_len=256)))
+    assert len(trace(fig, "KV allocated").y) == 2 and sorted(trace(fig, "KV allocated").y) == [1.0, 3.0]

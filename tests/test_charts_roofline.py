@@ -110,3 +110,45 @@ def test_roofline_of_100k_rows_uses_webgl_and_stays_fast():
 
 def test_a_small_roofline_uses_svg_markers():
     assert isinstance(trace(roofline(sweep({1: 10.0})), "decode"), go.Scatter)
+
+
+def bf16_and_fp32() -> pd.DataFrame:
+    return pd.concat(
+        [sweep({1: 10.0, 4: 10.0}), sweep({1: 10.0, 4: 10.0}, dtype="fp32", kv_dtype="fp32", peak_tflops=60.0)],
+        ignore_index=True,
+    )
+
+
+def test_roofline_draws_each_compute_dtype_in_its_own_colour_family_and_colorbar():
+    fig = roofline(bf16_and_fp32())
+    bf16, fp32 = trace(fig, "decode bf16"), trace(fig, "decode fp32")
+    assert bf16.marker.coloraxis != fp32.marker.coloraxis
+    axes = {axis: fig.layout[axis] for axis in (bf16.marker.coloraxis, fp32.marker.coloraxis)}
+    assert axes[bf16.marker.coloraxis].colorbar.title.text == "batch, bf16"
+    assert axes[fp32.marker.coloraxis].colorbar.title.text == "batch, fp32"
+    assert axes[bf16.marker.coloraxis].colorscale != axes[fp32.marker.coloraxis].colorscale
+
+
+def test_roofline_labels_each_dtypes_compute_roof_in_the_colour_of_its_points():
+    fig = roofline(bf16_and_fp32())
+    notes = {a.text: a.font.color for a in fig.layout.annotations}
+    assert "bf16 compute roof 800 TFLOP/s" in notes and "fp32 compute roof 60 TFLOP/s" in notes
+    assert trace(fig, "measured roof: NVIDIA H200 fp32").line.color == notes["fp32 compute roof 60 TFLOP/s"]
+    scale = fig.layout[trace(fig, "decode fp32").marker.coloraxis].colorscale
+    assert notes["fp32 compute roof 60 TFLOP/s"] in [colour for _, colour in scale]
+
+
+def test_roofline_names_the_memory_roof_read_or_copy_where_the_rows_record_it():
+    names = trace_names(roofline(sweep({1: 10.0}, bw_roof="read")))
+    assert "measured roof: NVIDIA H200 bf16 (read bandwidth)" in names
+    assert "measured roof: NVIDIA H200 bf16" in trace_names(roofline(sweep({1: 10.0}, bw_roof=None)))
+
+
+def test_roofline_draws_rows_not_to_trust_with_open_markers_and_says_why_in_the_hover():
+    rows = pd.concat(
+        [sweep({1: 10.0}, converged=False), sweep({2: 10.0}, host_busy=None, converged=None)], ignore_index=True
+    )
+    decode = [t for t in roofline(rows).data if t.name == "decode"]
+    assert sorted(t.marker.symbol for t in decode) == ["circle", "circle-open"]
+    (marked,) = [t for t in decode if t.marker.symbol == "circle-open"]
+    assert "marks: not converged" in marked.hovertemplate

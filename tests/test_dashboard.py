@@ -331,10 +331,11 @@ def test_the_cache_filter_narrows_the_rows_shown(monkeypatch, fixture_dir):
 def test_the_cache_filter_changes_the_charts(monkeypatch, fixture_dir):
     at = open_app(monkeypatch, fixture_dir, page="latency")
     ttft = figures(at)[0]
-    assert any(trace["name"].startswith("none,") for trace in ttft["data"])
+    # a line's name starts with its cache: "none fp32, batch 1, ..." (the other fields that vary follow)
+    assert any(trace["name"].startswith("none ") for trace in ttft["data"])
     multiselect(at, "cache").unselect("none").run()
     ttft = figures(at)[0]
-    assert ttft["data"] and not any(trace["name"].startswith("none,") for trace in ttft["data"])
+    assert ttft["data"] and not any(trace["name"].startswith("none ") for trace in ttft["data"])
 
 
 def test_no_rows_left_by_the_filters_is_said_in_words(monkeypatch, fixture_dir):
@@ -358,7 +359,11 @@ CHARTS_BY_PAGE = {  # page -> the x-axis title of each chart, in order
 @pytest.mark.parametrize("page", PAGES)
 def test_every_page_draws_its_charts_without_an_exception(monkeypatch, fixture_dir, page):
     at = open_app(monkeypatch, fixture_dir, page=page)
-    assert not at.warning, texts(at.warning)
+    # The fixture mixes workloads: the strategies page says so and asks for one (tests/test_dashboard_views.py).
+    warnings = [
+        str(warning.value) for warning in at.warning if page != "strategies" or "workloads" not in warning.value
+    ]
+    assert not warnings, warnings
     assert [figure["layout"]["xaxis"]["title"]["text"] for figure in figures(at)] == CHARTS_BY_PAGE[page]
     assert all(figure["data"] for figure in figures(at))
 
@@ -366,7 +371,7 @@ def test_every_page_draws_its_charts_without_an_exception(monkeypatch, fixture_d
 def test_roofline_page_shows_decode_points_the_caption_and_the_knee_beside_b_star(monkeypatch, fixture_dir):
     at = open_app(monkeypatch, fixture_dir, page="roofline")
     roofline, throughput, tpot = figures(at)
-    assert "decode" in [trace["name"] for trace in roofline["data"]]
+    assert any(trace["name"].startswith("decode") for trace in roofline["data"])  # "decode bf16", "decode fp32"
     assert throughput["layout"]["yaxis"]["title"]["text"] == "decode throughput (tok/s)"
     assert tpot["layout"]["yaxis"]["title"]["text"] == "time per output token (ms)"
     assert "observed knee 16" in texts(at.info)

@@ -5,6 +5,7 @@ import psutil
 import streamlit as st
 
 from dashboard import data
+from dashboard.charts.common import workload_label
 from dashboard.charts.memory import PLANNER_COLUMN, frontier, memory_ledger
 from dashboard.sidebar import current, page_rows, plot
 
@@ -56,6 +57,7 @@ columns = ["model", "cache", "kv_dtype", "batch_size", "prompt_len", "gen_len", 
 columns += [PLANNER_COLUMN, "kv_bytes_allocated"]
 ok = rows[(rows["status"] == "ok") & rows["kv_bytes_predicted"].notna()]
 kv = ok[columns].assign(
+    workload=workload_label(ok),  # the fields that vary among the rows: a row is read against its own workload
     predicted_mib=ok["kv_bytes_predicted"] / 2**20,
     planner_mib=ok[PLANNER_COLUMN] / 2**20,
     allocated_mib=ok["kv_bytes_allocated"] / 2**20,

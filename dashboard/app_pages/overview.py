@@ -4,14 +4,18 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import data
+from dashboard.charts.common import marks_warning, row_marks
 from dashboard.charts.overview import status_counts
 from dashboard.sidebar import current, page_rows, plot
+from harness.store.schema import COLUMNS
 
+LIST_COLUMNS = tuple(column.name for column in COLUMNS if column.type.startswith("list<"))  # itl_ms, samples
 STATUSES = ("ok", "oom", "skipped_oom", "error", "unsupported")
 TABLE_COLUMNS = (  # the rows table's columns unless more are picked: identity, workload, outcome, headline figures
     "source",
     "sweep_id",
     "status",
+    "marks",  # not a stored column: row_marks, why a row's figures may not be trusted
     "model",
     "device_name",
     "dtype",
@@ -22,6 +26,7 @@ TABLE_COLUMNS = (  # the rows table's columns unless more are picked: identity, 
     "gen_len",
     "ttft_ms",
     "tpot_ms",
+    "tpot_rse",
     "decode_tok_s",
     "kv_bytes_allocated",
     "peak_mem_bytes",
@@ -89,12 +94,15 @@ else:
     longest.metric("largest context that ran (status ok)", "–")
 
 st.subheader(f"Rows ({len(rows)})")
+if warning := marks_warning(rows):
+    st.warning(warning)  # the marks column says which
+shown = rows.assign(marks=row_marks(rows))  # the table's; the downloads keep the stored columns alone
 # A table of every column of 100k rows is over 100 MB for the browser: the usual columns first, the rest on demand.
 # The downloads below always carry every column.
-usual = [c for c in TABLE_COLUMNS if c in rows.columns]
-others = [c for c in rows.columns if c not in TABLE_COLUMNS and c != "itl_ms"]  # itl_ms: a list per row
+usual = [c for c in TABLE_COLUMNS if c in shown.columns]
+others = [c for c in rows.columns if c not in TABLE_COLUMNS and c not in LIST_COLUMNS]  # a list per row: heavy
 extra = st.multiselect("more columns", others, help="every column is in the CSV and parquet downloads")
-st.dataframe(rows[usual + extra], hide_index=True)
+st.dataframe(shown[usual + extra], hide_index=True)
 csv_column, parquet_column = st.columns(2)
 csv_column.download_button(
     "download CSV", data=lambda: data.csv_bytes(rows), file_name="kvbench.csv", mime="text/csv", on_click="ignore"

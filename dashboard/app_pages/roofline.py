@@ -3,7 +3,7 @@ which decode stops being memory-bound (the observed knee beside the predicted B*
 
 import streamlit as st
 
-from dashboard.charts.common import MissingColumns
+from dashboard.charts.common import MissingColumns, marks_warning, ok_rows
 from dashboard.charts.crossover import batch_sweep, crossover_caption
 from dashboard.charts.roofline import roofline
 from dashboard.sidebar import page_rows, plot
@@ -12,7 +12,20 @@ from harness import crossover
 st.title("Roofline & crossover")
 rows = page_rows()
 
+stale = ok_rows(rows, ["ceilings_stale"])
+n_stale = int(stale["ceilings_stale"].eq(True).sum()) if "ceilings_stale" in stale.columns else 0  # null: unknown
+if n_stale:
+    st.warning(
+        f"{n_stale} ok row(s) beat their ceilings (bw_util or flops_util over 1): the ceilings are stale. "
+        "Re-measure them with `kvbench-ceilings --force`."
+    )
+if warning := marks_warning(rows):
+    st.warning(warning)
 plot("roofline", roofline, rows)
+st.caption(
+    "One colour family per compute dtype (its batch colorbar beside), its roofs in the family's dark colour; open "
+    "markers: rows that did not converge or ran on a busy host."
+)
 
 st.subheader("Batch sweep")
 metrics = st.segmented_control(

@@ -1,18 +1,44 @@
 """Cache strategies: every strategy and storage format side by side (memory, speed, accuracy), and their Pareto
-front."""
+front, within one workload at a time: rows of different workloads (WORKLOAD_COLUMNS) are never combined."""
 
 import streamlit as st
 
-from dashboard.charts.common import MissingColumns
-from dashboard.charts.strategies import strategy_pareto, strategy_table
+from dashboard.charts.common import MARKS, MissingColumns, marks_warning, ok_rows, workload_label
+from dashboard.charts.strategies import PARETO_COLUMNS, strategy_pareto, strategy_table
 from dashboard.sidebar import page_rows, plot
+from harness.formats import EXACT_REFERENCE
+from harness.store.schema import WORKLOAD_COLUMNS
+
+WORKLOAD_KEY = "strategies_workload"  # the selectbox's key: a test can read or set the workload shown
 
 st.title("Cache strategies")
 rows = page_rows()
 
 try:
-    st.dataframe(strategy_table(rows), hide_index=True)
+    table = strategy_table(rows)  # every workload's lines, the one with the most treatments first
 except MissingColumns as exc:
     st.warning(f"strategy table: {exc}")
-plot("strategy Pareto front", strategy_pareto, rows)
+    st.stop()
+options = list(dict.fromkeys(table["workload"]))
+choice = options[0] if options else None
+if len(options) > 1:
+    st.warning(
+        f"The selected rows hold {len(options)} different workloads (model, dtype, batch, prompt, ...): strategies "
+        "compare only within one. Choose it below, or narrow the filters in the sidebar."
+    )
+    choice = st.selectbox("workload", options, index=0, key=WORKLOAD_KEY)
+# The chosen workload's rows, narrowed to what the chart and the marks read; labelled as strategy_table does.
+ok = ok_rows(rows, [*PARETO_COLUMNS, *WORKLOAD_COLUMNS, *(column for column, _, _ in MARKS)])
+chosen = ok[(workload_label(ok) == choice).to_numpy()] if len(options) > 1 else ok
+if warning := marks_warning(chosen):
+    st.warning(warning)
+
+st.dataframe(table[table["workload"] == choice] if len(options) > 1 else table, hide_index=True)
+st.caption(
+    f"One line per KV treatment (cache, kv_dtype, options); several rows of one treatment (repeats from different "
+    f"sweeps) are combined by their median, n_points says how many, and their TPOT samples pooled for the interval. "
+    f"Ratios are against this workload's {EXACT_REFERENCE} at kv_dtype = dtype. marks: rows that did not converge "
+    "or ran on a busy host."
+)
+plot("strategy Pareto front", strategy_pareto, chosen)
 st.caption("Every strategy against every format on one workload: `python -m experiments.decode experiment=strategies`")

@@ -8,7 +8,11 @@ Rows come from many schema versions and many outcomes, so every chart:
   - raises MissingColumns, before any work, when a column it cannot do without is absent or entirely null;
   - plots only status == "ok" rows (memory_ledger: ok and oom), and with none left returns a figure that says
     "no ok rows" instead of failing;
-  - reads numbers through `numbers()`, so nullable Int64/boolean columns and None cells become float NaN.
+  - reads numbers through `numbers()`, so nullable Int64/boolean columns and None cells become float NaN;
+  - never aggregates across workloads: a view that compares strategies or formats groups by workload_keys
+    (WORKLOAD_COLUMNS, a null a value of its own) or labels what varies (labels, workload_label), and takes ratios
+    against is_baseline in the same workload;
+  - marks rows not to trust (row_marks: converged False, host_busy True; a null, "not recorded", never).
 """
 
 from __future__ import annotations
@@ -20,11 +24,35 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
+from harness.formats import EXACT_REFERENCE
+from harness.store.schema import KV_COLUMNS, POINT_KEY_COLUMNS, WORKLOAD_COLUMNS
+
 SCATTERGL_MIN_POINTS = 5000  # above this an SVG scatter makes the browser crawl; WebGL draws 100k points smoothly
 LOG2_DTICK = math.log10(2)  # a log axis with this dtick ticks at 1, 2, 4, 8, ...
 PALETTE = qualitative.Plotly
 NO_OK_ROWS = "no ok rows"
-LABEL_FORMATS = {"batch_size": "batch {}", "prompt_len": "prompt {}", "gen_len": "gen {}", "max_memory_gb": "{} GiB"}
+LABEL_FORMATS = {
+    "batch_size": "batch {}",
+    "prompt_len": "prompt {}",
+    "gen_len": "gen {}",
+    "max_memory_gb": "{} GiB",
+    # the rest of the workload key and the KV options: a bare "none" or "16" would not say what it is
+    "prefix_len": "prefix {}",
+    "lengths": "{} lengths",
+    "weights": "weights {}",
+    "compile": "compile {}",
+    "runner": "runner {}",
+    "loop": "loop {}",
+    "block_size": "block {}",
+    "pool_tokens": "pool {}",
+    "window": "window {}",
+    "sinks": "sinks {}",
+    "kv_group_size": "group {}",
+    "kv_residual": "residual {}",
+}
+# The marks a row earns when its figures may not be trusted (issue #14): the column, the value that marks, the word.
+# A null is "not recorded" (rows that predate the column): never marked.
+MARKS = (("converged", False, "not converged"), ("host_busy", True, "host busy"))
 
 
 class MissingColumns(ValueError):
@@ -88,7 +116,16 @@ def texts(rows: pd.DataFrame, column: str) -> pd.Series:
 
 def labels(rows: pd.DataFrame, keys: tuple[str, ...], *, always: tuple[str, ...] = ()) -> pd.Series:
     """A short label per row naming the `keys` that take more than one value among `rows` (plus `always`): the
-    text ones as words, then the quantities, e.g. "small bf16 contiguous, prompt 512"."""
+    text ones as words, then the quantities, e.g. "small bf16 contiguous, prompt 512". A KV option (block_size,
+    window, ...) is named only where the row has one: its null means the strategy has no such option.
+
+    Each distinct combination of the keys is labelled once and mapped back (100k rows hold a few hundred)."""
+    present = [key for key in dict.fromkeys(keys) if key in rows.columns]
+    # the distinct combinations hold the same values, so the same keys vary among them as among all the rows
+    return per_distinct(rows, present, lambda part: _labels(part, keys, always=always)).astype(str)
+
+
+def _labels(rows: pd.DataFrame, keys: tuple[str, ...], *, always: tuple[str, ...]) -> pd.Series:
     words, quantities = [], []
     for key in keys:
         if key not in rows.columns or (key not in always and rows[key].nunique(dropna=False) <= 1):
@@ -96,14 +133,16 @@ def labels(rows: pd.DataFrame, keys: tuple[str, ...], *, always: tuple[str, ...]
         text = texts(rows, key)
         if key in LABEL_FORMATS:
             prefix, suffix = LABEL_FORMATS[key].split("{}")
-            quantities.append(prefix + text + suffix)
+            part = prefix + text + suffix
+            quantities.append(part.where(rows[key].notna(), "") if key in KV_COLUMNS[2:] else part)
         else:
             words.append(text)
     label = pd.Series("", index=rows.index, dtype=object)
     for i, part in enumerate(words):
         label = part if i == 0 else label + " " + part
     for part in quantities:
-        label = label.where(label == "", label + ", ") + part
+        joined = label.where(label == "", label + ", ") + part
+        label = joined.where(part != "", label)
     return label.astype(str)
 
 
@@ -149,3 +188,113 @@ def scatter_class(n_points: int) -> type[go.Scatter] | type[go.Scattergl]:
 
 def colour(i: int) -> str:
     return PALETTE[i % len(PALETTE)]
+
+
+# ------------------------------------------------------------------------------------- like with like (workloads)
+
+
+KEY_SEPARATOR = "\x1f"  # the unit separator: no display text holds it
+
+
+def per_distinct(rows: pd.DataFrame, columns: list[str], build) -> pd.Series:
+    """build(part) -> a Series per row of `part`, computed on one row per distinct combination of `columns` (nulls a
+    value of their own) and mapped back to every row: 100k rows hold a few hundred combinations, and build's
+    texts() and string joins then cost hundredths of a second instead of a second."""
+    if rows.empty or not columns:
+        return build(rows)
+    codes = rows.groupby(columns, dropna=False, sort=False).ngroup()
+    distinct = rows.loc[codes.drop_duplicates().index, columns]
+    by_code = pd.Series(build(distinct).to_numpy(), index=codes.loc[distinct.index].to_numpy())
+    return pd.Series(by_code.reindex(codes.to_numpy()).to_numpy(), index=rows.index, dtype=object)
+
+
+def _keys(rows: pd.DataFrame, columns: tuple[str, ...]) -> pd.Series:
+    """One string per row joining `columns` as display text (texts: a null is "-"), absent columns left out.
+    Strings compare across frames (a table against the rows behind it)."""
+    present = [column for column in columns if column in rows.columns]
+
+    def join(part: pd.DataFrame) -> pd.Series:
+        key = pd.Series("", index=part.index, dtype=object)
+        for column in present:
+            key = key + KEY_SEPARATOR + texts(part, column).astype(object)
+        return key
+
+    return per_distinct(rows, present, join)
+
+
+def workload_keys(rows: pd.DataFrame) -> pd.Series:
+    """A key per row: its WORKLOAD_COLUMNS as display text, a null as "-" (a value of its own, so rows that predate
+    a column form their own workloads). Rows with equal keys compare strategies and formats like with like."""
+    return _keys(rows, WORKLOAD_COLUMNS)
+
+
+def treatment_keys(rows: pd.DataFrame) -> pd.Series:
+    """A key per row: how it kept its KV (KV_COLUMNS as display text, nulls as "-")."""
+    return _keys(rows, KV_COLUMNS)
+
+
+def point_keys(rows: pd.DataFrame) -> pd.Series:
+    """A key per row: the whole point key (POINT_KEY_COLUMNS: the workload and the KV treatment), nulls as "-"."""
+    return _keys(rows, POINT_KEY_COLUMNS)
+
+
+def workload_label(rows: pd.DataFrame) -> pd.Series:
+    """A label per row naming the workload fields that vary among `rows`, e.g. "fp32, batch 2, prompt 160"; "all
+    rows" when they are one workload."""
+    return labels(rows, WORKLOAD_COLUMNS).replace("", "all rows")
+
+
+def treatment_label(rows: pd.DataFrame) -> pd.Series:
+    """A label per row for its KV treatment: cache and kv_dtype, then each option it has, e.g. "paged int4, block
+    16, group 64, residual 0"."""
+
+    def label(part: pd.DataFrame) -> pd.Series:
+        text = texts(part, "cache") + " " + texts(part, "kv_dtype")
+        for column in KV_COLUMNS[2:]:
+            if column in part.columns:
+                prefix, suffix = LABEL_FORMATS[column].split("{}")
+                text = text + (", " + prefix + texts(part, column) + suffix).where(part[column].notna(), "")
+        return text
+
+    return per_distinct(rows, [column for column in KV_COLUMNS if column in rows.columns], label).astype(str)
+
+
+def workload_groups(rows: pd.DataFrame) -> list[pd.DataFrame]:
+    """`rows` split by workload (workload_keys), the one with the most KV treatments first (then the most rows):
+    the parts a view may aggregate within, never across."""
+    if rows.empty:
+        return []
+    keys, treatments = workload_keys(rows), treatment_keys(rows)
+    groups = []
+    for _, positions in keys.groupby(keys, sort=True).indices.items():
+        part = rows.iloc[positions]
+        groups.append((-treatments.iloc[positions].nunique(), -len(part), part))
+    return [part for *_, part in sorted(groups, key=lambda group: group[:2])]
+
+
+def is_baseline(rows: pd.DataFrame) -> pd.Series:
+    """True where a row is its workload's baseline: the exact strategy with K/V stored at the compute dtype."""
+    return (texts(rows, "cache") == EXACT_REFERENCE) & (texts(rows, "kv_dtype") == texts(rows, "dtype"))
+
+
+def row_marks(rows: pd.DataFrame) -> pd.Series:
+    """Per row, why its figures may not be trusted ("not converged, host busy"), "" when nothing says so."""
+    marks = pd.Series("", index=rows.index, dtype=object)
+    for column, value, word in MARKS:
+        if column not in rows.columns:
+            continue
+        values = rows[column]
+        hit = (values.notna() & (values.astype(object) == value)).to_numpy(dtype=bool)  # a null never marks
+        marks = marks.where(~hit, marks.where(marks == "", marks + ", ") + word)
+    return marks.astype(str)
+
+
+def marks_warning(rows: pd.DataFrame) -> str | None:
+    """One line counting the ok rows that carry a mark (row_marks), or None when none does."""
+    marks = row_marks(ok_rows(rows, [column for column, _, _ in MARKS]))
+    counts = {word: int(marks.str.contains(word, regex=False).sum()) for _, _, word in MARKS}
+    counts = {word: count for word, count in counts.items() if count}
+    if not counts:
+        return None
+    said = " and ".join(f"{count} {word}" for word, count in counts.items())
+    return f"{said} (of {len(marks)} ok rows): their figures are marked; rerun them on a quiet host to trust them."

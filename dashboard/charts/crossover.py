@@ -23,10 +23,25 @@ from dashboard.charts.common import (
 )
 from harness.crossover import GROUP as KNEE_GROUP
 from harness.crossover import knee_batch, knee_table
+from harness.store.schema import KV_COLUMNS, POINT_KEY_COLUMNS
 
 NO_BATCH_SWEEP = "no batch sweep: every config here was measured at one batch size"
-# Config columns that tell sweeps apart; a label names only those that vary among the rows drawn.
-IDENTITY_KEYS = ("model", "device_name", "dtype", "kv_dtype", "cache")
+# Config columns that tell sweeps apart: the point key but the batch (the x) and the prompt (one line each), so that
+# a line never takes a median across two workloads or KV treatments. A label names only those that vary.
+IDENTITY_KEYS = ("model", "device_name", "dtype", "kv_dtype", "cache") + tuple(
+    key for key in POINT_KEY_COLUMNS if key not in ("model", "dtype", "kv_dtype", "cache", "batch_size", "prompt_len")
+)
+SWEEP_COLUMNS = (  # what batch_sweep reads besides its metric and IDENTITY_KEYS
+    "batch_size",
+    "prompt_len",
+    "tpot_ms",
+    "predicted_tpot_ms",
+    "flops_per_step",
+    "peak_tflops",
+    "critical_batch",
+    "critical_context",
+)
+KV_OPTIONS = KV_COLUMNS[2:]  # kept raw in the points: labels() names an option only where a row has one
 SWEEP_METRICS = {  # metric -> (y-axis title, figure title)
     "decode_tok_s": ("decode throughput (tok/s)", "Decode throughput against batch size"),
     "tpot_ms": ("time per output token (ms)", "Time per output token against batch size"),
@@ -78,7 +93,7 @@ def batch_sweep(rows: pd.DataFrame, *, metric: str = "decode_tok_s") -> go.Figur
     require(rows, ["batch_size", "prompt_len", metric])
     y_title, title = SWEEP_METRICS[metric]
     x_title = "batch size (sequences)"
-    ok = ok_rows(rows)
+    ok = ok_rows(rows, [*SWEEP_COLUMNS, metric, *IDENTITY_KEYS])  # narrowed first: 100k rows of 130 columns
     ok = ok[numbers(ok, metric).notna() & (numbers(ok, "batch_size") > 0) & numbers(ok, "prompt_len").notna()]
     if ok.empty:
         return message_figure(title=title, x_title=x_title, y_title=y_title)
@@ -94,12 +109,13 @@ def batch_sweep(rows: pd.DataFrame, *, metric: str = "decode_tok_s") -> go.Figur
             "peak_tflops": numbers(ok, "peak_tflops"),
             "critical_batch": numbers(ok, "critical_batch"),
             "critical_context": numbers(ok, "critical_context"),
-            **{key: texts(ok, key) for key in IDENTITY_KEYS},
+            **{key: ok[key] if key in KV_OPTIONS and key in ok else texts(ok, key) for key in IDENTITY_KEYS},
         }
     )
     points["identity"] = labels(points, IDENTITY_KEYS)
     points["label"] = labels(points, (*IDENTITY_KEYS, "prompt_len"), always=("prompt_len",))
-    points = points.sort_values([*IDENTITY_KEYS, "prompt_len"], kind="stable")  # the legend's order
+    order = points[[*IDENTITY_KEYS, "prompt_len"]].astype(str).assign(prompt_len=points["prompt_len"])
+    points = points.loc[order.sort_values([*IDENTITY_KEYS, "prompt_len"], kind="stable").index]  # the legend's order
     # A line needs two batch sizes: a config measured at one batch (a strategies sweep) is no batch sweep.
     points = points[points.groupby("label")["batch_size"].transform("nunique") >= 2]
     if points.empty:

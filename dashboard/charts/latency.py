@@ -8,25 +8,62 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from dashboard.charts.common import LOG2_DTICK, colour, labels, message_figure, numbers, ok_rows, require, texts
+from dashboard.charts.common import (
+    LOG2_DTICK,
+    MARKS,
+    colour,
+    labels,
+    message_figure,
+    numbers,
+    ok_rows,
+    require,
+    row_marks,
+)
+from harness.store.schema import POINT_KEY_COLUMNS
+
+MARK_COLUMNS = tuple(column for column, _, _ in MARKS)
+
+# Every field of the point key, the usual ones first: a label names those that vary among the rows drawn, so a line
+# or a bar never takes a median across two workloads or two KV treatments.
+POINT_KEYS = ("model", "dtype", "kv_dtype", "cache", "batch_size", "prompt_len", "gen_len") + tuple(
+    key
+    for key in POINT_KEY_COLUMNS
+    if key not in ("model", "dtype", "kv_dtype", "cache", "batch_size", "prompt_len", "gen_len")
+)
 
 
 def ttft_vs_prompt(rows: pd.DataFrame) -> go.Figure:
-    """TTFT against prompt length (log2 x), one line per (cache, batch_size), the median where points repeat."""
+    """TTFT against prompt length (log2 x), one line per cache and batch_size and whatever else of the point key
+    varies (a line is one workload and treatment but the prompt), the median where points repeat; an open marker
+    where a point's row did not converge or ran on a busy host."""
     require(rows, ["prompt_len", "ttft_ms"])
     title = "Time to first token against prompt length"
     x_title, y_title = "prompt length (tokens)", "time to first token (ms)"
-    ok = ok_rows(rows)
+    ok = ok_rows(rows, ["prompt_len", "ttft_ms", *POINT_KEYS, *MARK_COLUMNS])  # narrowed first: 100k rows
     points = pd.DataFrame({"prompt_len": numbers(ok, "prompt_len"), "ttft_ms": numbers(ok, "ttft_ms")})
-    points["line"] = texts(ok, "cache") + ", batch " + texts(ok, "batch_size")
+    line_keys = ("cache", *(key for key in POINT_KEYS if key not in ("cache", "prompt_len")))
+    points["line"] = labels(ok, line_keys, always=tuple(key for key in ("cache", "batch_size") if key in ok))
+    points["marks"] = row_marks(ok)
     points = points[(points["prompt_len"] > 0) & points["ttft_ms"].notna()]
     if points.empty:
         return message_figure(title=title, x_title=x_title, y_title=y_title)
     fig = go.Figure()
     for i, (line, group) in enumerate(points.groupby("line", sort=True)):
-        per_prompt = group.groupby("prompt_len")["ttft_ms"].median().sort_index()
+        per_prompt = group.groupby("prompt_len").agg(
+            ttft_ms=("ttft_ms", "median"), marks=("marks", lambda marks: ", ".join(sorted(set(marks) - {""})))
+        )
+        per_prompt = per_prompt.sort_index()
         fig.add_trace(
-            go.Scatter(x=per_prompt.index, y=per_prompt, mode="lines+markers", name=line, line=dict(color=colour(i)))
+            go.Scatter(
+                x=per_prompt.index,
+                y=per_prompt["ttft_ms"],
+                mode="lines+markers",
+                name=line,
+                line=dict(color=colour(i)),
+                marker=dict(symbol=["circle-open" if m else "circle" for m in per_prompt["marks"]], size=8),
+                hovertext=per_prompt["marks"].replace("", "-").to_numpy(),
+                hovertemplate="prompt %{x}: %{y:.4g} ms<br>marks: %{hovertext}<extra>" + line + "</extra>",
+            )
         )
     fig.update_layout(
         title_text=title,
@@ -57,8 +94,10 @@ def itl_curves(rows: pd.DataFrame, *, max_lines: int = 12) -> go.Figure:
         return message_figure(title=title, x_title=x_title, y_title=y_title)
     order = pd.DataFrame({"prompt_len": numbers(ok, "prompt_len"), "batch_size": numbers(ok, "batch_size")})
     chosen = ok.loc[order.sort_values(["prompt_len", "batch_size"], ascending=False, kind="stable").index[:max_lines]]
-    keys = ("model", "dtype", "kv_dtype", "cache", "prompt_len", "batch_size")
+    keys = ("model", "dtype", "kv_dtype", "cache", "prompt_len", "batch_size", *POINT_KEYS[7:])
     names = labels(chosen, keys, always=tuple(key for key in ("cache", "prompt_len", "batch_size") if key in chosen))
+    marks = row_marks(chosen)
+    names = names.where(marks == "", names + " (" + marks + ")")  # a curve not to trust says so in the legend
     fig = go.Figure()
     for i, (name, value) in enumerate(zip(names, chosen["itl_ms"], strict=True)):
         steps = _steps(value)
@@ -76,18 +115,21 @@ def itl_curves(rows: pd.DataFrame, *, max_lines: int = 12) -> go.Figure:
 
 
 def tpot_percentiles(rows: pd.DataFrame) -> go.Figure:
-    """Median, p90 and p99 TPOT over repeats as grouped bars, one group per point."""
+    """Median, p90 and p99 TPOT over repeats as grouped bars, one group per point (the point key, POINT_KEYS): the
+    median where a point repeats (several sweeps); a point not to trust says why in its label."""
     require(rows, ["tpot_ms"])
     title = "Time per output token: median, p90 and p99 over repeats"
     x_title, y_title = "point", "time per output token (ms)"
-    ok = ok_rows(rows)
+    ok = ok_rows(rows, ["tpot_ms", "tpot_p90_ms", "tpot_p99_ms", *POINT_KEYS, *MARK_COLUMNS])
     ok = ok[numbers(ok, "tpot_ms").notna().to_numpy()]
     if ok.empty:
         return message_figure(title=title, x_title=x_title, y_title=y_title)
-    keys = ("model", "dtype", "kv_dtype", "cache", "batch_size", "prompt_len", "gen_len")
+    keys = POINT_KEYS
     ok = ok.sort_values([key for key in keys if key in ok.columns], kind="stable")
     points = pd.DataFrame({c: numbers(ok, c) for c in ("tpot_ms", "tpot_p90_ms", "tpot_p99_ms")})
     points["label"] = labels(ok, keys, always=("cache",) if "cache" in ok.columns else ()).replace("", "all rows")
+    marks = row_marks(ok)
+    points["label"] = points["label"].where(marks == "", points["label"] + " (" + marks + ")")
     per_point = points.groupby("label", sort=False).median()
     fig = go.Figure()
     for column, name in (("tpot_ms", "median"), ("tpot_p90_ms", "p90"), ("tpot_p99_ms", "p99")):
