@@ -12,8 +12,12 @@ from collections.abc import Sequence
 
 import pandas as pd
 
+from harness.store.schema import POINT_KEY_COLUMNS
+
 KNEE_RISE = 1.25  # TPOT 25% above batch 1: well clear of run-to-run noise (tpot_cv is a few %)
-GROUP = ["model", "device", "dtype", "kv_dtype", "cache", "prompt_len"]
+# A batch sweep: rows equal on every point key column but batch_size (the workload and the KV treatment), so that a
+# knee is never read across two workloads (another gen_len, prefix, compile mode or strategy option).
+GROUP = [c for c in POINT_KEY_COLUMNS if c != "batch_size"]
 
 
 def knee_batch(batch_sizes: Sequence[float], tpot_ms: Sequence[float]) -> int | None:
@@ -35,8 +39,9 @@ def knee_table(rows: pd.DataFrame) -> pd.DataFrame:
     Columns: GROUP, batches (how many were measured), tpot_b1_ms, knee_batch (null when TPOT never rose by
     KNEE_RISE within the sweep), and critical_batch (the prediction, when the rows carry it).
     """
-    needed = [c for c in (*GROUP, "batch_size", "tpot_ms", "critical_batch") if c in rows.columns]
-    ok = rows.loc[(rows["status"] == "ok") & rows["tpot_ms"].notna(), needed]  # narrow: a row has ~130 columns
+    # Narrow (a row has ~140 columns); a key column older rows lack is null for all of them, one value of its own.
+    needed = [*GROUP, "batch_size", "tpot_ms", *(["critical_batch"] if "critical_batch" in rows.columns else [])]
+    ok = rows.loc[(rows["status"] == "ok") & rows["tpot_ms"].notna()].reindex(columns=needed)
     lines = []
     for key, sweep in ok.groupby(GROUP, dropna=False):
         per_batch = sweep.groupby("batch_size")["tpot_ms"].median().sort_index()

@@ -67,3 +67,12 @@ def test_knee_table_takes_the_median_of_a_batch_measured_twice():
     )  # fmt: skip
     line = knee_table(rows).iloc[0]
     assert line["tpot_b1_ms"] == 11.0 and line["batches"] == 2 and pd.isna(line["knee_batch"])
+
+
+def test_sweeps_of_different_workloads_are_never_read_as_one():
+    # Same model, formats, cache and prompt; only gen_len (or a strategy option) differs: two sweeps, two knees.
+    short, long = sweep({1: 10.0, 2: 30.0}), sweep({1: 10.0, 2: 10.5, 4: 11.0})
+    short["gen_len"], long["gen_len"] = 8, 256
+    table = knee_table(pd.concat([short, long], ignore_index=True)).set_index("gen_len")
+    assert table.loc[8, "knee_batch"] == 2 and pd.isna(table.loc[256, "knee_batch"])
+    assert table.loc[256, "batches"] == 3

@@ -54,7 +54,10 @@ else:
             "`python -m experiments.decode experiment=crossover`"
         )
     else:
-        st.dataframe(knees, hide_index=True)
+        # Every point key column but the batch tells sweeps apart; the ones that do not vary here are left out.
+        named = ("model", "dtype", "kv_dtype", "cache", "prompt_len")
+        constant = [c for c in crossover.GROUP if c not in named and knees[c].astype(str).nunique() <= 1]
+        st.dataframe(knees.drop(columns=constant), hide_index=True)
         st.caption(
             f"knee_batch: the first batch whose TPOT is {crossover.KNEE_RISE:g}× its batch-1 value; "
             "critical_batch: B*, the analytic model's smallest batch that reaches the ridge (harness/crossover.py)."
