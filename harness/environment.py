@@ -28,6 +28,7 @@ def environment_columns(device: torch.device) -> dict:
         "git_dirty": git_dirty(),
         "host": socket.gethostname(),
         "cpu_model": cpu_model(),
+        "cpu_capability": cpu_capability(),
         "device_name": device_name(device),
         "device_count": torch.cuda.device_count() if cuda else 1,
         "driver_version": nvidia_driver_version() if cuda else None,
@@ -57,6 +58,13 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_capability() -> str:
+    """The widest vector ISA torch's CPU kernels dispatch to here: "DEFAULT", "AVX2", "AVX512" (ATen's
+    CPU_CAPABILITY). Machines sold under one model name ("AMD EPYC" in a VM) differ in it, and the CPU figures with
+    it: bf16 matmuls without AVX512-BF16 run about a hundred times slower (0.0014 against 0.42 TFLOP/s, measured)."""
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def _git(*args: str) -> str | None:

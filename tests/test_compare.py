@@ -368,6 +368,10 @@ def test_a_pair_measured_on_different_devices_or_a_busy_host_is_noted():
     a["device_name"], b["device_name"] = "AMD EPYC", "Intel Xeon"
     b["host_busy"] = True
     note = verdict_of(compare.compare(a, b), SAME_PROMPT)["note"]
-    assert "A ran on AMD EPYC, B on Intel Xeon" in note and "B's host busy" in note
-    a["device_name"] = None  # not recorded: no device note
-    assert "ran on" not in verdict_of(compare.compare(a, b), SAME_PROMPT)["note"]
+    assert "A ran on AMD EPYC, B ran on Intel Xeon" in note and "B's host busy" in note
+    a["device_name"], b["device_name"] = "AMD EPYC", "AMD EPYC"  # one name, two machines: their ISA tells them apart
+    a["cpu_capability"], b["cpu_capability"] = "AVX512", "AVX2"
+    assert "A dispatched to AVX512, B dispatched to AVX2" in verdict_of(compare.compare(a, b), SAME_PROMPT)["note"]
+    a["device_name"], a["cpu_capability"] = None, None  # not recorded: no device note
+    note = verdict_of(compare.compare(a, b), SAME_PROMPT)["note"]
+    assert "ran on" not in note and "dispatched" not in note

@@ -25,6 +25,7 @@ def test_environment_columns_name_the_machine_and_the_software():
     assert columns["torch_version"] == torch.__version__
     assert columns["device_count"] == 1 and columns["cuda_version"] is None and columns["driver_version"] is None
     assert columns["cpu_model"] and columns["host"]
+    assert columns["cpu_capability"] in ("DEFAULT", "AVX2", "AVX512", "ZVECTOR", "VSX", "SVE256")  # ATen's names
     assert isinstance(columns["git_dirty"], bool) and len(columns["git_sha"]) == 40  # this is a git checkout
     assert columns["kvbench_version"]
 
@@ -73,7 +74,15 @@ def test_the_new_columns_are_written_and_read_back_with_their_types(tmp_path):
 
     loaded = disk.load(tmp_path).iloc[0]
 
-    for name in ("git_dirty", "cpu_model", "device_count", "python_version", "kvbench_version", "config_json"):
+    for name in (
+        "git_dirty",
+        "cpu_model",
+        "cpu_capability",
+        "device_count",
+        "python_version",
+        "kvbench_version",
+        "config_json",
+    ):
         assert loaded[name] == row[name], name
     assert pd.isna(loaded["driver_version"]) and pd.isna(loaded["cuda_version"])
 

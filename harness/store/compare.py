@@ -253,9 +253,10 @@ def _compare_one(a: pd.Series, b: pd.Series, *, spec: Metric, threshold: float, 
     # converged: null is "not recorded" (rows older than the column), never False
     notes = [f"{side} not converged" for side, row in (("A", a), ("B", b)) if _recorded_false(row.get("converged"))]
     notes += [f"{side}'s host busy" for side, row in (("A", a), ("B", b)) if row.get("host_busy") is True]
-    devices = [row.get("device_name") for row in (a, b)]
-    if all(isinstance(name, str) for name in devices) and devices[0] != devices[1]:  # a null is "not recorded"
-        notes.append(f"A ran on {devices[0]}, B on {devices[1]}")
+    for column, what in (("device_name", "ran on"), ("cpu_capability", "dispatched to")):
+        values = [row.get(column) for row in (a, b)]
+        if all(isinstance(value, str) for value in values) and values[0] != values[1]:  # a null: not recorded
+            notes.append(f"A {what} {values[0]}, B {what} {values[1]}")
     if samples_a is not None and samples_b is not None:
         median_a, median_b = float(np.median(samples_a)), float(np.median(samples_b))
         ratio, low, high = stats.ratio_ci(samples_a, samples_b, confidence=confidence)

@@ -406,6 +406,13 @@ COLUMNS: tuple[Column, ...] = (
     Column("git_dirty", "bool", "", "Uncommitted changes to tracked files at that commit; null outside a git checkout"),
     Column("host", "string", "", "Host name of the machine"),
     Column("cpu_model", "string", "", "CPU model name (/proc/cpuinfo), whatever the device"),
+    Column(
+        "cpu_capability",
+        "string",
+        "",
+        "The vector ISA torch's CPU kernels dispatch to (torch.backends.cpu.get_cpu_capability(): DEFAULT, AVX2, "
+        "AVX512), whatever the device: CPUs of one model name differ in it",
+    ),
     Column("device_name", "string", "", "Device model: GPU name, or CPU brand on CPU"),
     Column("device_count", "int64", "", "CUDA devices visible to the process; 1 on CPU"),
     Column("driver_version", "string", "", "NVIDIA driver version (NVML); null on CPU"),
