@@ -26,7 +26,7 @@ TIMEOUT_S = 30  # one run on 2 busy cores; AppTest's default is 3 s
 KNEE_SWEEP = "fixture-crossover"
 KNEE_BATCHES = (1, 4, 16)
 COMMITTED_REFERENCE = data.REFERENCE_DIR  # results/reference: real rows of three sweeps
-QUICKSTART_SWEEP = "20261201-011418"  # results/reference/cpu-quickstart: none, contiguous, paged × 3 prompts
+QUICKSTART_SWEEP = "20261201-172538"  # results/reference/cpu-quickstart: none, contiguous, paged × 3 prompts
 NEWER_COLUMNS = [  # what a row of an older schema lacks (written as nulls)
     "arithmetic_intensity",
     "achieved_tflops",
@@ -359,9 +359,12 @@ CHARTS_BY_PAGE = {  # page -> the x-axis title of each chart, in order
 @pytest.mark.parametrize("page", PAGES)
 def test_every_page_draws_its_charts_without_an_exception(monkeypatch, fixture_dir, page):
     at = open_app(monkeypatch, fixture_dir, page=page)
-    # The fixture mixes workloads: the strategies page says so and asks for one (tests/test_dashboard_views.py).
+    # The fixture mixes workloads: the strategies page says so and asks for one (tests/test_dashboard_views.py). And
+    # the references hold a point that did not converge, which the pages showing its figures count (marks_warning).
     warnings = [
-        str(warning.value) for warning in at.warning if page != "strategies" or "workloads" not in warning.value
+        str(warning.value)
+        for warning in at.warning
+        if (page != "strategies" or "workloads" not in warning.value) and "figures are marked" not in warning.value
     ]
     assert not warnings, warnings
     assert [figure["layout"]["xaxis"]["title"]["text"] for figure in figures(at)] == CHARTS_BY_PAGE[page]

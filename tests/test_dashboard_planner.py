@@ -18,7 +18,7 @@ from dashboard import data
 from harness.store import disk
 
 REPO = Path(__file__).resolve().parents[1]
-STRATEGIES_SWEEP = "20261130-234921"  # results/reference/cpu-strategies: every cache × kv_dtype, prompt 160
+STRATEGIES_SWEEP = "20261201-173322"  # results/reference/cpu-strategies: every cache × kv_dtype, prompt 160
 
 
 @pytest.fixture(scope="module")
