@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from dashboard.charts import strategies
 from dashboard.charts.strategies import STRATEGY_MEDIANS, pareto_front, strategy_pareto, strategy_table
@@ -143,3 +144,18 @@ def test_strategy_table_gives_the_tpot_ratio_an_interval_from_the_samples_where_
     low, high = table.loc["contiguous int8", ["tpot_ratio_low", "tpot_ratio_high"]]
     assert low < 2.0 < high and high < 3.0  # around 20 / 10, its spread from the samples' own
     assert table.loc[["paged bf16"], ["tpot_ratio_low", "tpot_ratio_high"]].isna().all().all()
+
+
+def test_a_line_of_several_rows_takes_its_interval_from_their_tpots_and_intervals_can_be_left_out():
+    # Reruns of one point: the line's TPOT is the median of its rows' TPOTs, so its interval resamples those, not
+    # the pooled repeats (which would be as wide as one run's noise however far the reruns drift apart).
+    rows = frame(
+        point(tpot_ms=10.0, tpot_samples_ms=[10.0, 10.0, 10.0]),
+        point(tpot_ms=10.0, tpot_samples_ms=[10.0, 10.0, 10.0]),
+        point(kv_dtype="int8", tpot_ms=18.0, tpot_samples_ms=[18.0, 18.0, 18.0]),
+        point(kv_dtype="int8", tpot_ms=22.0, tpot_samples_ms=[22.0, 22.0, 22.0]),
+    )
+    table = strategy_table(rows).set_index("treatment")
+    low, high = table.loc["contiguous int8", ["tpot_ratio_low", "tpot_ratio_high"]]
+    assert low == pytest.approx(1.8) and high == pytest.approx(2.2)  # the reruns' spread, 18 to 22 over 10
+    assert strategy_table(rows, intervals=False)[["tpot_ratio_low", "tpot_ratio_high"]].isna().all().all()

@@ -15,7 +15,8 @@ st.title("Cache strategies")
 rows = page_rows()
 
 try:
-    table = strategy_table(rows)  # every workload's lines, the one with the most treatments first
+    # Every workload's lines, the one with the most treatments first; the bootstrap intervals only for the one shown.
+    table = strategy_table(rows, intervals=False)
 except MissingColumns as exc:
     st.warning(f"strategy table: {exc}")
     st.stop()
@@ -33,10 +34,15 @@ chosen = ok[(workload_label(ok) == choice).to_numpy()] if len(options) > 1 else 
 if warning := marks_warning(chosen):
     st.warning(warning)
 
-st.dataframe(table[table["workload"] == choice] if len(options) > 1 else table, hide_index=True)
+shown = rows[(workload_label(rows) == choice).to_numpy()] if len(options) > 1 else rows
+shown_table = strategy_table(shown)
+if len(options) > 1:
+    shown_table["workload"] = choice  # labelled among every workload, as the choice was, not within its own rows
+st.dataframe(shown_table, hide_index=True)
 st.caption(
     f"One line per KV treatment (cache, kv_dtype, options); several rows of one treatment (repeats from different "
-    f"sweeps) are combined by their median, n_points says how many, and their TPOT samples pooled for the interval. "
+    f"sweeps) are combined by their median, n_points says how many, and the TPOT ratio's 95% interval resamples "
+    f"those rows' TPOTs (a single row's: its repeats). "
     f"Ratios are against this workload's {EXACT_REFERENCE} at kv_dtype = dtype. marks: rows that did not converge "
     "or ran on a busy host."
 )

@@ -35,8 +35,10 @@ PARETO_COLUMNS = ("kv_bytes_allocated", "tpot_ms", *PARETO_HOVER_NUMBERS, *KV_CO
 STRATEGY_MEDIANS = ("tpot_ms", "ttft_ms", "kv_allocated_mib", "kv_waste_fraction", "top1_agreement", "kl_mean")
 # figure -> its ratio column: treatment / the baseline of the same workload (1.0 on the baseline's own line)
 STRATEGY_RATIOS = {"tpot_ms": "tpot_ratio", "ttft_ms": "ttft_ratio", "kv_allocated_mib": "kv_allocated_ratio"}
-# tpot_ratio's 95% interval, by bootstrap over the per-repeat samples of both lines (harness.stats.ratio_ci); null
-# where either has none recorded (rows before tpot_samples_ms)
+# tpot_ratio's 95% interval, by bootstrap (harness.stats.ratio_ci) over what each line's TPOT is the median of: its
+# row's per-repeat samples, or the TPOTs of its rows when several (reruns of one point); null where a single-row line
+# has no samples recorded (rows before tpot_samples_ms). A bootstrap of 2000 resamples costs O(values) a line, so the
+# page asks for it on the workload it shows only.
 TPOT_RATIO_CI = ("tpot_ratio_low", "tpot_ratio_high")
 NO_BASELINE = f"no baseline in this workload ({EXACT_REFERENCE} at kv_dtype = dtype): ratios left empty"
 
@@ -45,20 +47,24 @@ def _joined_marks(marks: pd.Series) -> str:
     return ", ".join(sorted({word for cell in set(marks) for word in cell.split(", ") if word}))
 
 
-def _pooled(cells: pd.Series) -> list[float] | None:
-    """The tpot_samples_ms of a treatment's rows, one list (repeats from several sweeps pooled); None when no row
-    recorded any."""
-    pooled = [float(v) for cell in cells.dropna() if isinstance(cell, list | tuple | np.ndarray) for v in cell]
-    return pooled or None
+def _interval_values(samples: pd.Series, tpot_ms: pd.Series) -> list[float] | None:
+    """What a line's TPOT is the median of: its one row's tpot_samples_ms, or its rows' own TPOTs when there are
+    several (each row's figure already a median over its repeats); None when neither gives two values."""
+    if len(tpot_ms) > 1:
+        values = [float(v) for v in tpot_ms.dropna()]
+    else:
+        cell = samples.iloc[0] if len(samples) else None
+        values = [float(v) for v in cell] if isinstance(cell, list | tuple | np.ndarray) else []
+    return values if len(values) > 1 else None
 
 
-def strategy_table(rows: pd.DataFrame) -> pd.DataFrame:
+def strategy_table(rows: pd.DataFrame, *, intervals: bool = True) -> pd.DataFrame:
     """Per workload (WORKLOAD_COLUMNS; the one with the most treatments first, as workload_groups), one line per KV
     treatment (cache, kv_dtype and options) of its ok rows: the workload's columns and label, the medians of
     STRATEGY_MEDIANS over the rows of that workload and treatment (repeats of one point, e.g. from two sweeps),
     n_points, the ratios against the baseline of the same workload (STRATEGY_RATIOS, 1.0 on the baseline's line;
-    null, with a note, where the workload has none; TPOT_RATIO_CI where samples allow) and the marks of rows not to
-    trust. Never a median across two workloads. A column the rows lack is NaN."""
+    null, with a note, where the workload has none; TPOT_RATIO_CI where samples allow, and only with `intervals`) and
+    the marks of rows not to trust. Never a median across two workloads. A column the rows lack is NaN."""
     require(rows, ["cache", "kv_dtype"])
     ok = ok_rows(rows)
     columns = ["workload", *WORKLOAD_COLUMNS, *KV_COLUMNS[:2], "treatment", *STRATEGY_MEDIANS, "n_points"]
@@ -93,17 +99,22 @@ def strategy_table(rows: pd.DataFrame) -> pd.DataFrame:
         **{column: (column, "median") for column in STRATEGY_MEDIANS},
         n_points=("tpot_ms", "size"),
         marks=("marks", _joined_marks),
-        samples=("samples", _pooled),
     )
     workload = table.index.get_level_values("_workload")
     baseline = table[table["baseline"]].reset_index("_treatment").groupby(level="_workload").first()
     for figure, ratio in STRATEGY_RATIOS.items():
         table[ratio] = table[figure].to_numpy() / baseline[figure].reindex(workload).to_numpy()
-    base_samples = baseline["samples"].reindex(workload).to_numpy()
-    table[list(TPOT_RATIO_CI)] = [
-        ratio_ci(base, samples)[1:] if base and samples else (np.nan, np.nan)
-        for base, samples in zip(base_samples, table["samples"], strict=True)
-    ]
+    table[list(TPOT_RATIO_CI)] = np.nan
+    if intervals:
+        grouped = frame.groupby(["_workload", "_treatment"], sort=False)
+        by_key = {key: _interval_values(part["samples"], part["tpot_ms"]) for key, part in grouped}
+        values = pd.Series([by_key[key] for key in table.index], index=table.index, dtype=object)
+        base_values = values[table["baseline"].to_numpy()].droplevel("_treatment")
+        base_values = base_values[~base_values.index.duplicated()].reindex(workload).to_numpy()
+        table[list(TPOT_RATIO_CI)] = [
+            ratio_ci(base, line)[1:] if base and line else (np.nan, np.nan)
+            for base, line in zip(base_values, values, strict=True)
+        ]
     table["note"] = np.where(workload.isin(baseline.index), "", NO_BASELINE)
     # The workloads in workload_groups' order: the most treatments, then the most rows, then by key; the baseline
     # first within each.
