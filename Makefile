@@ -21,9 +21,13 @@ ARGS ?=
 # The dashboard binds to loopback unless told otherwise: make dashboard ADDRESS=0.0.0.0 PORT=8501
 ADDRESS ?= 127.0.0.1
 PORT ?= 8501
+# make slurm-check: your cluster's partition, any further Hydra overrides, and where its row goes
+PARTITION ?=
+SLURM_ARGS ?=
+SLURM_RESULTS ?= results/slurm-check
 
 .PHONY: help setup run test test-cuda-trace lint docs ceilings dashboard screenshot bench-dashboard bench bench-sweep \
-	clean-results gpu-wheels
+	clean-results gpu-wheels slurm-check slurm-up slurm-down
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-16s %s\n", $$1, $$2}'
@@ -56,6 +60,22 @@ $(VENV_CUDA)/.installed: pyproject.toml
 
 test-cuda-trace: $(VENV_CUDA)/.installed ## Fake CUDA: every strategy x kv_dtype x compile mode traced at 8B shapes, no GPU
 	$(VENV_CUDA)/bin/python -m pytest -m cuda_trace tests/test_cuda_trace.py
+
+slurm-check: setup ## One tiny point through sbatch on your cluster, then its row: make slurm-check PARTITION=gpu
+	@test -n "$(PARTITION)" || { echo "make slurm-check: PARTITION: name one of your cluster's partitions (sinfo lists them), e.g. PARTITION=gpu" >&2; exit 2; }
+	$(BIN)/python -m experiments.decode -m hydra/launcher=slurm hydra.launcher.partition=$(PARTITION) \
+		hydra.launcher.timeout_min=15 model=tiny gen_len=8 warmup=1 max_repeats=3 ceilings_quick=true force=true \
+		results_dir=$(SLURM_RESULTS) $(SLURM_ARGS)
+	@$(BIN)/python -c "import sys; from harness.store import disk; \
+	r = disk.load('$(SLURM_RESULTS)').sort_values('started_at').iloc[-1]; ok = r.status == 'ok' and bool(r.slurm_job_id); \
+	print(f'slurm-check: ok, measured in SLURM job {r.slurm_job_id} on {r.host} ({r.device_name}): tpot {r.tpot_ms:.3f} ms' if ok \
+	else f'slurm-check: FAILED: status {r.status}, SLURM job {r.slurm_job_id}: {r.error}'); sys.exit(0 if ok else 1)"
+
+slurm-up: ## A one-node SLURM cluster on this machine (root; apt-get install -y slurm-wlm munge), for make test
+	bash scripts/slurm_local.sh up
+
+slurm-down: ## Stop the cluster slurm-up started
+	bash scripts/slurm_local.sh down
 
 lint: setup ## ruff lint and format check
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -76,6 +76,10 @@ class SweepProgress(Callback):
                 values.setdefault(key, set()).add(value)
         self.swept_keys = {key for key, seen in values.items() if len(seen) > 1}
         validate_points(jobs)
+        if str(config.hydra.launcher.get("_target_", "")).endswith(".SlurmLauncher"):
+            from harness.run import slurm_watch  # imports submitit: only for a SLURM sweep
+
+            slurm_watch.install()  # job states from squeue where the cluster has no sacct
         log.info("sweep of %d points -> %s", self.total, self.sweep_dir)
 
     def sweep_rows(self) -> pd.DataFrame:

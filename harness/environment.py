@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from harness import nvml
+from harness.run import slurm
 from harness.store.schema import SCHEMA_VERSION
 
 
@@ -27,6 +28,7 @@ def environment_columns(device: torch.device) -> dict:
         "git_sha": git_sha(),
         "git_dirty": git_dirty(),
         "host": socket.gethostname(),
+        "slurm_job_id": slurm.job_id(),
         "cpu_model": cpu_model(),
         "cpu_capability": cpu_capability(),
         "device_name": device_name(device),

@@ -29,7 +29,7 @@ import torch
 from harness import ceilings, environment, probes
 from harness.config import RunConfig
 from harness.errors import Unsupported
-from harness.run import bench
+from harness.run import bench, slurm
 from harness.run.point_result import PointResult
 
 log = logging.getLogger(__name__)
@@ -109,9 +109,10 @@ def run_point(cfg: RunConfig) -> PointResult:
 
 def reusable(cfg: RunConfig, row: dict) -> bool:
     """Whether the worker that measured `row` may measure the next point. Not after an OOM or an error (the
-    allocator, the heap or the CUDA context may be left in a bad state), nor after a max_memory_gb cap (RLIMIT_DATA
-    counts heap the process keeps), nor when reuse_worker is off."""
-    return cfg.reuse_worker and cfg.max_memory_gb is None and row.get("status") in ("ok", "unsupported")
+    allocator, the heap or the CUDA context may be left in a bad state), nor after a max_memory_gb cap or a SLURM
+    job's (RLIMIT_DATA counts heap the process keeps), nor when reuse_worker is off."""
+    capped = cfg.max_memory_gb is not None or slurm.job_memory_bytes() is not None
+    return cfg.reuse_worker and not capped and row.get("status") in ("ok", "unsupported")
 
 
 class Worker:
@@ -169,8 +170,11 @@ def _worker_main(conn, parent_pid: int) -> None:
         if cfg is None:
             return
         probes.reset_peak_rss()  # this point's peak, not the last one's
-        limit_memory(cfg)
-        conn.send(_guarded(cfg))
+        capped_by_job = limit_memory(cfg, parent_pid)
+        result = _guarded(cfg)
+        if capped_by_job and result.row.get("status") == "oom":
+            result.row["error"] = f"{result.row['error']} ({capped_by_job})"
+        conn.send(result)
 
 
 def death_row(cfg: RunConfig, exitcode: int | None, *, oom_killed: bool) -> dict:
@@ -239,8 +243,8 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _OOM_MESSAGES)
 
 
-def limit_memory(cfg: RunConfig) -> None:
-    """Make OOM reproducible: cap this process at max_memory_gb.
+def limit_memory(cfg: RunConfig, parent_pid: int | None = None) -> str | None:
+    """Make OOM reproducible: cap this process at max_memory_gb, and on the CPU below its SLURM job's memory.
 
     CPU: RLIMIT_DATA bounds the private writable memory (heap and anonymous maps) the process may hold, so a
     tensor allocation past it fails cleanly instead of inviting the kernel's OOM killer. CUDA: the allocator's
@@ -249,11 +253,21 @@ def limit_memory(cfg: RunConfig) -> None:
     The allocator reserves cuBLAS's workspaces itself, so they count; device memory the driver takes later outside
     the allocator (kernels loaded lazily on first use) does not. Only meant for the spawned child: the limit lasts
     as long as the process.
+
+    In a SLURM job that asked for memory (hydra.launcher.mem_gb), a CPU point's worker is also capped below it
+    (job_cap_bytes): SLURM kills the whole job once its processes pass it, which records nothing, where a cap
+    makes the point an `oom` row. Returns what set that cap, for the row's error, when the job's memory did. A CUDA
+    point's host memory is left to the cluster (RLIMIT_DATA would also bound the driver's pinned host buffers).
     """
-    if cfg.max_memory_gb is None:
-        return
-    limit_bytes = int(cfg.max_memory_gb * 2**30)
     device = cfg.torch_device()
+    job_cap = job_cap_bytes(parent_pid) if device.type == "cpu" else None
+    if cfg.max_memory_gb is None and job_cap is None:
+        return None
+    limit_bytes = int(cfg.max_memory_gb * 2**30) if cfg.max_memory_gb is not None else None
+    capped_by_job = None
+    if job_cap is not None and (limit_bytes is None or job_cap[0] < limit_bytes):
+        limit_bytes, capped_by_job = job_cap
+        log.info("the SLURM job's memory caps this worker: %s", capped_by_job)
     if device.type == "cuda":
         total_bytes = torch.cuda.get_device_properties(device).total_memory
         held_bytes, counted_by = probes.cuda_bytes_held(device)
@@ -272,6 +286,38 @@ def limit_memory(cfg: RunConfig) -> None:
         if hard != resource.RLIM_INFINITY:
             limit_bytes = min(limit_bytes, hard)
         resource.setrlimit(resource.RLIMIT_DATA, (limit_bytes, hard))
+    return capped_by_job
+
+
+def job_cap_bytes(parent_pid: int | None) -> tuple[int, str] | None:
+    """(bytes, why): the private memory this worker may hold within its SLURM job's memory, which SLURM checks
+    against the summed RSS of the job's processes. That is the job's memory less the resident memory of the job
+    process that started this worker (parent_pid) and this worker's own file-backed resident pages (torch's shared
+    libraries, which RSS counts and RLIMIT_DATA does not). None outside a SLURM job with a memory request."""
+    job_bytes = slurm.job_memory_bytes()
+    if job_bytes is None:
+        return None
+    parent_bytes = _status_bytes(parent_pid, "VmRSS") if parent_pid is not None else 0
+    files_bytes = _status_bytes("self", "RssFile")
+    cap = max(0, job_bytes - parent_bytes - files_bytes)
+    why = (
+        f"worker capped at {cap / 2**30:.2f} GiB: SLURM job {slurm.job_id()}'s {job_bytes / 2**30:.2f} GiB "
+        f"(hydra.launcher.mem_gb) less its job process's {parent_bytes / 2**30:.2f} GiB and the worker's "
+        f"{files_bytes / 2**30:.2f} GiB of shared libraries"
+    )
+    return cap, why
+
+
+def _status_bytes(pid: int | str, field: str) -> int:
+    """A `kB` field of /proc/<pid>/status in bytes (VmRSS, RssFile); 0 when it cannot be read."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key == field:
+                return int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def point_columns(cfg: RunConfig) -> dict:

@@ -405,6 +405,13 @@ COLUMNS: tuple[Column, ...] = (
     Column("git_sha", "string", "", "Commit of the harness that produced the row"),
     Column("git_dirty", "bool", "", "Uncommitted changes to tracked files at that commit; null outside a git checkout"),
     Column("host", "string", "", "Host name of the machine"),
+    Column(
+        "slurm_job_id",
+        "string",
+        "",
+        "The SLURM job that measured the point, as submitit names its folder (<array job>_<task>, else the job id); "
+        "null outside SLURM",
+    ),
     Column("cpu_model", "string", "", "CPU model name (/proc/cpuinfo), whatever the device"),
     Column(
         "cpu_capability",
