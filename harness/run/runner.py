@@ -193,14 +193,36 @@ def death_row(cfg: RunConfig, exitcode: int | None, *, oom_killed: bool) -> dict
 
 
 _CGROUP_EVENTS = (
-    Path("/sys/fs/cgroup/memory.events"),  # cgroup v2
+    Path("/sys/fs/cgroup/memory.events"),  # cgroup v2, as a container sees its own cgroup
     Path("/sys/fs/cgroup/memory/memory.oom_control"),  # cgroup v1
 )
 
 
+def cgroup_event_files(proc_cgroup: str | None = None) -> list[Path]:
+    """Where this process's cgroup counts OOM kills: its own cgroup first (/proc/self/cgroup: a SLURM job's
+    job_<id>/step_<n>/task_<n> under task/cgroup, where the root of /sys/fs/cgroup counts nothing), then the mount's
+    root, which is the process's own cgroup inside a container."""
+    if proc_cgroup is None:
+        try:
+            proc_cgroup = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            proc_cgroup = ""
+    own = []
+    for line in proc_cgroup.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if path in ("", "/"):
+            continue
+        if hierarchy == "0" and controllers == "":  # cgroup v2's unified hierarchy
+            own.append(Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.events")
+        elif "memory" in controllers.split(","):  # cgroup v1's memory controller
+            own.append(Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.oom_control")
+    return [*own, *_CGROUP_EVENTS]
+
+
 def cgroup_oom_kills() -> int:
     """How many processes the kernel's OOM killer has killed in this cgroup so far (0 when it cannot be read)."""
-    for path in _CGROUP_EVENTS:
+    for path in cgroup_event_files():
         try:
             for line in path.read_text().splitlines():
                 key, _, value = line.partition(" ")
