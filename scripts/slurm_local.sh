@@ -19,8 +19,17 @@ CTLD_PORT=${KVBENCH_SLURM_CTLD_PORT:-16817}   # not SLURM's 6817/6818: a machine
 SLURMD_PORT=${KVBENCH_SLURM_SLURMD_PORT:-16818}
 WAIT_S=${KVBENCH_SLURM_WAIT_S:-60}
 DAEMONS=(slurmd slurmctld munged)              # the order `down` stops them in
+MARK="KVBENCH_SLURM_CLUSTER=$DIR"               # in the daemons' environment alone: how `down` knows their processes
 
 die() { echo "slurm_local.sh: $*" >&2; exit 1; }
+
+# A daemon that would not start: its log's last lines in the one line, then whatever did start is stopped.
+not_started() {
+  local last
+  last=$(tail -n 2 "$DIR/log/$1.log" 2>/dev/null | tr '\n' ' ')
+  down >/dev/null 2>&1 || true
+  die "$1 did not start${last:+: $last}"
+}
 
 need() {
   local missing=()
@@ -82,9 +91,9 @@ start_munge() {
   chmod 0700 "$DIR/munge"
   mungekey --create --keyfile="$DIR/munge/munge.key" --force >/dev/null
   chmod 0600 "$DIR/munge/munge.key"
-  munged --force --socket="$DIR/munge/munge.socket" --key-file="$DIR/munge/munge.key" \
+  env "$MARK" munged --force --socket="$DIR/munge/munge.socket" --key-file="$DIR/munge/munge.key" \
     --pid-file="$DIR/munged.pid" --log-file="$DIR/log/munged.log" --seed-file="$DIR/munge/munge.seed" \
-    || die "munged did not start: $(tail -n 3 "$DIR/log/munged.log" 2>/dev/null)"
+    || not_started munged
 }
 
 up() {
@@ -95,23 +104,46 @@ up() {
   rm -rf "$DIR"
   mkdir -p "$DIR/state" "$DIR/spool" "$DIR/log"
   write_conf
-  export SLURM_CONF=$DIR/slurm.conf
+  local conf=$DIR/slurm.conf
   start_munge
-  slurmctld -f "$SLURM_CONF" || die "slurmctld did not start: $(tail -n 3 "$DIR/log/slurmctld.log" 2>/dev/null)"
-  slurmd -f "$SLURM_CONF" -N "$(hostname -s)" || die "slurmd did not start: $(tail -n 3 "$DIR/log/slurmd.log" 2>/dev/null)"
+  env "$MARK" SLURM_CONF="$conf" slurmctld -f "$conf" \
+    || not_started slurmctld
+  env "$MARK" SLURM_CONF="$conf" slurmd -f "$conf" -N "$(hostname -s)" \
+    || not_started slurmd
   local deadline=$(( SECONDS + WAIT_S )) state=""
   while [ $SECONDS -lt $deadline ]; do
-    state=$(sinfo -h -N -o %t 2>/dev/null | head -n 1 || true)
-    [ "$state" = idle ] && { echo "slurm_local.sh: node $(hostname -s) idle; export SLURM_CONF=$SLURM_CONF"; return; }
+    state=$(SLURM_CONF=$conf sinfo -h -N -o %t 2>/dev/null | head -n 1 || true)
+    [ "$state" = idle ] && { echo "slurm_local.sh: node $(hostname -s) idle; export SLURM_CONF=$conf"; return; }
     sleep 1
   done
   down >/dev/null 2>&1 || true
   die "the node did not become idle within ${WAIT_S}s (sinfo said '${state:-nothing}'); see the logs under $DIR/log"
 }
 
+# Every process this cluster started: its daemons and their slurmstepd (which carry the MARK that `up` gave the
+# daemons alone), and the jobs' own processes (a SLURM_JOB_ID, and this cluster's SLURM_CONF from sbatch).
+cluster_pids() {
+  local proc pid environ
+  for proc in /proc/[0-9]*; do
+    pid=${proc#/proc/}
+    [ "$pid" = $$ ] && continue
+    environ=$(tr '\0' '\n' 2>/dev/null <"$proc/environ") || continue
+    if grep -qxF "$MARK" <<<"$environ" \
+      || { grep -qxF "SLURM_CONF=$DIR/slurm.conf" <<<"$environ" && grep -q '^SLURM_JOB_ID=' <<<"$environ"; }; then
+      echo "$pid"
+    fi
+  done
+  return 0
+}
+
 down() {
   [ -d "$DIR" ] || return 0
-  local pid
+  local pid jobs conf=$DIR/slurm.conf
+  jobs=$(SLURM_CONF=$conf squeue -h -o %A 2>/dev/null || true)   # cancel what still runs: its steps end cleanly
+  if [ -n "$jobs" ]; then
+    SLURM_CONF=$conf scancel $jobs 2>/dev/null || true
+    for _ in $(seq 30); do [ -z "$(SLURM_CONF=$conf squeue -h 2>/dev/null)" ] && break; sleep 0.5; done
+  fi
   for daemon in "${DAEMONS[@]}"; do
     [ -f "$DIR/$daemon.pid" ] || continue
     pid=$(cat "$DIR/$daemon.pid")
@@ -119,9 +151,13 @@ down() {
     for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
     kill -9 "$pid" 2>/dev/null || true
   done
-  # A job's slurmstepd outlives slurmd by design; every one of this cluster's ends here too.
-  pkill -9 -f "slurmstepd.*$DIR" 2>/dev/null || true
+  for pid in $(cluster_pids); do kill -9 "$pid" 2>/dev/null || true; done   # slurmstepd outlives slurmd by design
+  sleep 0.5
+  local left
+  left=$(cluster_pids | tr '\n' ' ')
+  [ -z "$left" ] || die "processes of the cluster in $DIR survived down: $left"
   rm -rf "$DIR"
+  echo "slurm_local.sh: the cluster in $DIR is down"
 }
 
 case "${1:-}" in

@@ -131,7 +131,7 @@ def _array_job(sweep_folder: Path) -> str | None:
 
 def test_a_cancelled_array_reruns_only_its_missing_points(slurm_env, tmp_path):
     # One task at a time, so that cancelling the array after its first row leaves points never started.
-    sweep = [*POINTS, "batch_size=1,2,3,4", f"results_dir={tmp_path}", "hydra/launcher=slurm", *ON_THIS_NODE,
+    sweep = [*POINTS, "batch_size=1,2,3", f"results_dir={tmp_path}", "hydra/launcher=slurm", *ON_THIS_NODE,
              "hydra.launcher.array_parallelism=1"]  # fmt: skip
     first = decode(*sweep, env=slurm_env, wait=False)
     try:
@@ -150,7 +150,7 @@ def test_a_cancelled_array_reruns_only_its_missing_points(slurm_env, tmp_path):
             first.kill()
     assert first.returncode != 0, output
     cancelled = disk.load(sweep_folder)
-    assert 1 <= len(cancelled) < 4 and (cancelled["status"] == "ok").all()
+    assert 1 <= len(cancelled) < 3 and (cancelled["status"] == "ok").all()
 
     rerun = decode(*sweep, env=slurm_env)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
@@ -158,8 +158,8 @@ def test_a_cancelled_array_reruns_only_its_missing_points(slurm_env, tmp_path):
     measured = disk.load(rerun_folder)
     # Only the missing points were measured; the rows recorded before the cancel are intact and counted.
     assert set(measured["point_id"]).isdisjoint(cancelled["point_id"])
-    assert len(measured) + len(cancelled) == 4 and (measured["status"] == "ok").all()
-    assert set(disk.load(tmp_path)["batch_size"]) == {1, 2, 3, 4}
+    assert len(measured) + len(cancelled) == 3 and (measured["status"] == "ok").all()
+    assert set(disk.load(tmp_path)["batch_size"]) == {1, 2, 3}
     assert disk.load(sweep_folder).equals(cancelled)
 
 
@@ -192,3 +192,61 @@ def test_make_slurm_check_submits_one_point_and_reads_its_row(slurm_env, tmp_pat
     (row,) = disk.load(tmp_path).to_dict("records")
     assert row["status"] == "ok" and row["slurm_job_id"]
     assert f"slurm-check: ok, measured in SLURM job {row['slurm_job_id']}" in proc.stdout
+
+
+def _carrying(text: str) -> list[int]:
+    """The pids of the processes whose environment holds the line `text`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if text in (proc / "environ").read_bytes().decode(errors="replace").split("\0"):
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+    return pids
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_down_leaves_no_process_of_the_cluster_behind(slurm_env, tmp_path):
+    # A second cluster of its own (its own folder and ports), with a job still running when it is brought down.
+    if missing := _missing():
+        pytest.skip(f"SLURM is not installed ({', '.join(missing)} missing)")
+    own = slurm_env | {"KVBENCH_SLURM_DIR": str(tmp_path / "cluster"), "KVBENCH_SLURM_CTLD_PORT": "16827",
+                       "KVBENCH_SLURM_SLURMD_PORT": "16828"}  # fmt: skip
+    own.pop("SLURM_CONF", None)
+    up = subprocess.run(["bash", str(SCRIPT), "up"], env=own, capture_output=True, text=True, timeout=120)
+    conf = f"SLURM_CONF={tmp_path / 'cluster' / 'slurm.conf'}"
+    try:
+        assert up.returncode == 0, up.stderr
+        job = subprocess.run(["sbatch", "--parsable", "-o", "/dev/null", "--wrap", "sleep 300"],
+                             env=own | {"SLURM_CONF": conf.split("=", 1)[1]}, capture_output=True, text=True)  # fmt: skip
+        assert job.returncode == 0, job.stderr
+        deadline = time.monotonic() + 60
+        while not [p for p in _carrying(conf) if "sleep" in _cmdline(p)]:
+            assert time.monotonic() < deadline, "the job never started"
+            time.sleep(0.5)
+        assert _carrying(f"KVBENCH_SLURM_CLUSTER={tmp_path / 'cluster'}")  # the daemons, marked
+    finally:
+        down = subprocess.run(["bash", str(SCRIPT), "down"], env=own, capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert not _carrying(f"KVBENCH_SLURM_CLUSTER={tmp_path / 'cluster'}")  # munged, slurmctld, slurmd, slurmstepd
+    assert not [p for p in _carrying(conf) if p != os.getpid()]  # nor the job's own processes
+    assert not (tmp_path / "cluster").exists()
+    assert _answers(slurm_env | {"SLURM_CONF": slurm_env["SLURM_CONF"]})  # the suite's own cluster is untouched
+
+
+def test_a_node_that_never_becomes_idle_fails_up_in_one_line_and_leaves_nothing(slurm_env, tmp_path):
+    own = slurm_env | {"KVBENCH_SLURM_DIR": str(tmp_path / "cluster"), "KVBENCH_SLURM_CTLD_PORT": "16837",
+                       "KVBENCH_SLURM_SLURMD_PORT": "16838", "KVBENCH_SLURM_WAIT_S": "0"}  # fmt: skip
+    own.pop("SLURM_CONF", None)
+    up = subprocess.run(["bash", str(SCRIPT), "up"], env=own, capture_output=True, text=True, timeout=120)
+    assert up.returncode != 0
+    assert up.stderr.strip().count("\n") == 0 and "did not become idle within 0s" in up.stderr, up.stderr
+    assert not _carrying(f"KVBENCH_SLURM_CLUSTER={tmp_path / 'cluster'}") and not (tmp_path / "cluster").exists()
