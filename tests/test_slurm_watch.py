@@ -113,16 +113,32 @@ def test_the_workers_cap_is_the_jobs_memory_less_its_job_process(monkeypatch):
 
 @pytest.mark.slow
 def test_a_point_past_its_slurm_jobs_memory_is_an_oom_row_without_slurm(monkeypatch):
-    # What a SLURM job's worker sees (tests/test_slurm.py runs it under sbatch): 1 GiB for the job, less this
-    # process, cannot hold the small model's 0.8 GB of fp32 weights.
+    # What a SLURM job's worker sees (tests/test_slurm.py runs it under sbatch). This process plays the job
+    # process, whatever it holds; 0.7 GiB more, less the worker's shared libraries (about 0.2 GiB), cannot hold the
+    # small model's 0.8 GB of fp32 weights.
+    job_mib = (runner._status_bytes(os.getpid(), "VmRSS") + int(0.7 * 2**30)) // 2**20
     monkeypatch.setenv("SLURM_JOB_ID", "31")
-    monkeypatch.setenv("SLURM_MEM_PER_NODE", "1024")
+    monkeypatch.setenv("SLURM_MEM_PER_NODE", str(job_mib))
     cfg = RunConfig(model={"name": "small"}, dtype="fp32", batch_size=1, prompt_len=8, gen_len=4, warmup=0,
                     min_repeats=1, max_repeats=1, profile=False, roofline=False)  # fmt: skip
     row = runner.run_point(cfg).row
     assert row["status"] == "oom", row.get("error")
     assert "worker capped at" in row["error"] and "SLURM job 31" in row["error"]
+    assert "before any model" not in row["error"]  # the model's weights ran into the cap, not the worker itself
     assert row["slurm_job_id"] == "31"
+
+
+@pytest.mark.slow
+def test_a_slurm_job_too_small_for_the_worker_itself_is_an_oom_row_saying_so(monkeypatch):
+    # 64 MiB for the job: less than this process alone holds, so nothing can run; the row says why, from a worker
+    # that never set a cap under which it could not even reply.
+    monkeypatch.setenv("SLURM_JOB_ID", "32")
+    monkeypatch.setenv("SLURM_MEM_PER_NODE", "64")
+    cfg = RunConfig(model={"name": "tiny"}, dtype="fp32", batch_size=1, prompt_len=8, gen_len=4, warmup=0,
+                    min_repeats=1, max_repeats=1, profile=False, roofline=False)  # fmt: skip
+    row = runner.run_point(cfg).row
+    assert row["status"] == "oom", row.get("error")
+    assert "before any model" in row["error"] and "SLURM job 32" in row["error"]
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ from harness.run.point_result import PointResult
 
 log = logging.getLogger(__name__)
 
+WORKER_HEADROOM_BYTES = 64 * 2**20  # the least a capped worker needs beyond what it holds: a reply, a small model
 _OOM_MESSAGES = ("out of memory", "can't allocate memory", "cannot allocate memory")
 
 
@@ -170,7 +171,12 @@ def _worker_main(conn, parent_pid: int) -> None:
         if cfg is None:
             return
         probes.reset_peak_rss()  # this point's peak, not the last one's
-        capped_by_job = limit_memory(cfg, parent_pid)
+        point_columns(cfg)  # its lookups are cached (git, package metadata): a capped point's failure row needs none
+        try:
+            capped_by_job = limit_memory(cfg, parent_pid)
+        except MemoryError as exc:  # the job's memory cannot hold even this worker as it stands
+            conn.send(PointResult(row=failure_row(cfg, "oom", str(exc))))
+            continue
         result = _guarded(cfg)
         if capped_by_job and result.row.get("status") == "oom":
             result.row["error"] = f"{result.row['error']} ({capped_by_job})"
@@ -315,7 +321,10 @@ def job_cap_bytes(parent_pid: int | None) -> tuple[int, str] | None:
     """(bytes, why): the private memory this worker may hold within its SLURM job's memory, which SLURM checks
     against the summed RSS of the job's processes. That is the job's memory less the resident memory of the job
     process that started this worker (parent_pid) and this worker's own file-backed resident pages (torch's shared
-    libraries, which RSS counts and RLIMIT_DATA does not). None outside a SLURM job with a memory request."""
+    libraries, which RSS counts and RLIMIT_DATA does not). None outside a SLURM job with a memory request.
+
+    Raises MemoryError when that leaves less than the worker's data already holds plus WORKER_HEADROOM_BYTES: under
+    such a cap nothing could run, not even the reply saying so."""
     job_bytes = slurm.job_memory_bytes()
     if job_bytes is None:
         return None
@@ -327,6 +336,9 @@ def job_cap_bytes(parent_pid: int | None) -> tuple[int, str] | None:
         f"(hydra.launcher.mem_gb) less its job process's {parent_bytes / 2**30:.2f} GiB and the worker's "
         f"{files_bytes / 2**30:.2f} GiB of shared libraries"
     )
+    held_bytes = _status_bytes("self", "VmData")
+    if cap < held_bytes + WORKER_HEADROOM_BYTES:
+        raise MemoryError(f"{why}, less than the {held_bytes / 2**30:.2f} GiB the worker holds before any model")
     return cap, why
 
 
