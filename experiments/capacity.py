@@ -118,6 +118,7 @@ class CapacityConfig(Workload):
             warmup=0,
             min_repeats=1,
             max_repeats=1,
+            retry_noisy=False,  # a probe asks whether it fits, never how fast: one repeat, never measured again
             accuracy=False,  # the accuracy pass would build a second, exact cache beside the one measured
             max_memory_gb=self.max_memory_gb,
             results_dir=self.results_dir,

@@ -131,7 +131,7 @@ def _array_job(sweep_folder: Path) -> str | None:
 
 def test_a_cancelled_array_reruns_only_its_missing_points(slurm_env, tmp_path):
     # One task at a time, so that cancelling the array after its first row leaves points never started.
-    sweep = [*POINTS, "batch_size=1,2,3", f"results_dir={tmp_path}", "hydra/launcher=slurm", *ON_THIS_NODE,
+    sweep = [*POINTS, "batch_size=1,2", f"results_dir={tmp_path}", "hydra/launcher=slurm", *ON_THIS_NODE,
              "hydra.launcher.array_parallelism=1"]  # fmt: skip
     first = decode(*sweep, env=slurm_env, wait=False)
     try:
@@ -150,7 +150,7 @@ def test_a_cancelled_array_reruns_only_its_missing_points(slurm_env, tmp_path):
             first.kill()
     assert first.returncode != 0, output
     cancelled = disk.load(sweep_folder)
-    assert 1 <= len(cancelled) < 3 and (cancelled["status"] == "ok").all()
+    assert len(cancelled) == 1 and (cancelled["status"] == "ok").all()  # the second was cancelled, queued or running
 
     rerun = decode(*sweep, env=slurm_env)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
@@ -158,8 +158,8 @@ def test_a_cancelled_array_reruns_only_its_missing_points(slurm_env, tmp_path):
     measured = disk.load(rerun_folder)
     # Only the missing points were measured; the rows recorded before the cancel are intact and counted.
     assert set(measured["point_id"]).isdisjoint(cancelled["point_id"])
-    assert len(measured) + len(cancelled) == 3 and (measured["status"] == "ok").all()
-    assert set(disk.load(tmp_path)["batch_size"]) == {1, 2, 3}
+    assert len(measured) == 1 and (measured["status"] == "ok").all()
+    assert set(disk.load(tmp_path)["batch_size"]) == {1, 2}
     assert disk.load(sweep_folder).equals(cancelled)
 
 
