@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +28,8 @@ from harness.serve.requests import (
     prompt_token_ids,
     read_trace,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def gaps_of(requests: list[Request]) -> np.ndarray:
@@ -393,3 +398,10 @@ def test_describe_counts_the_stream_and_its_offered_rate():
     assert summary["offered_qps"] == pytest.approx(8.0, rel=1e-12)
     assert summary["total_prompt_tokens"] == 3000 and summary["total_output_tokens"] == 500
     assert summary["max_total_len"] == 35 and summary["max_prefix_len"] == 3
+
+
+def test_the_request_stream_imports_without_torch():
+    # A fresh interpreter: this one has torch already (tests/conftest.py). The stream is drawn before any model loads.
+    probe = "import sys, harness.serve.requests; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
