@@ -5,7 +5,7 @@ one clock; `request_row` turns it into the request's parquet row and `run_metric
 
 The figures and their names are vLLM's `vllm bench serve` (vllm/benchmarks/serve.py, `calculate_metrics` and the
 result dict it saves), so that a kvbench run and a vLLM run read side by side:
-- TTFT runs from arrival (vLLM: from the request being sent), so queueing is inside it; queue time is apart too.
+- TTFT runs from arrival (vLLM: from the request being sent), so queueing is inside it; queue_ms gives the queueing alone.
 - TPOT = (E2EL - TTFT) / (output_len - 1): the decode time per token after the first. A one-token output has no
   TPOT: it is left out of the TPOT statistics and counts as 0 against a TPOT SLO, both as vLLM does.
 - ITL statistics pool every gap between successive tokens of every request, as vLLM's `itls +=` does, so a long
@@ -225,7 +225,7 @@ def run_metrics(
 ) -> dict:
     """The run row: counts, throughputs, the latency statistics and goodput, under vLLM's result keys.
 
-    duration_s is the run's wall time (vLLM's benchmark duration: first arrival to last finish, or the engine's own
+    duration_s (vLLM's `duration`, seconds) is the run's wall time (first arrival to last finish, or the engine's own
     clock), which every throughput divides. The SLOs take what parse_slo_ms takes and are recorded in the row.
     """
     if len(records) == 0:
