@@ -5,7 +5,7 @@ one clock; `request_row` turns it into the request's parquet row and `run_metric
 
 The figures and their names are vLLM's `vllm bench serve` (vllm/benchmarks/serve.py, `calculate_metrics` and the
 result dict it saves), so that a kvbench run and a vLLM run read side by side:
-- TTFT runs from arrival (vLLM: from the request being sent), so queueing is inside it; queue_ms gives the queueing alone.
+- TTFT runs from arrival (vLLM: from the request being sent), so queueing is inside it; queue_ms is the queueing alone.
 - TPOT = (E2EL - TTFT) / (output_len - 1): the decode time per token after the first. A one-token output has no
   TPOT: it is left out of the TPOT statistics and counts as 0 against a TPOT SLO, both as vLLM does.
 - ITL statistics pool every gap between successive tokens of every request, as vLLM's `itls +=` does, so a long
