@@ -1,0 +1,319 @@
+"""What a serving run reports: per-request latencies, and the run's throughput, percentiles and goodput.
+
+Torch-free (numpy and pandas only). The engine fills one `RequestRecord` per finished request, in wall seconds on
+one clock; `request_row` turns it into the request's parquet row and `run_metrics` turns them all into the run row.
+
+The figures and their names are vLLM's `vllm bench serve` (vllm/benchmarks/serve.py, `calculate_metrics` and the
+result dict it saves), so that a kvbench run and a vLLM run read side by side:
+- TTFT runs from arrival (vLLM: from the request being sent), so queueing is inside it; queue_ms is the queueing alone.
+- TPOT = (E2EL - TTFT) / (output_len - 1): the decode time per token after the first. A one-token output has no
+  TPOT: it is left out of the TPOT statistics and counts as 0 against a TPOT SLO, both as vLLM does.
+- ITL statistics pool every gap between successive tokens of every request, as vLLM's `itls +=` does, so a long
+  output weighs more than a short one (TPOT weighs each request once).
+- std is the population one (numpy's ddof=0) and percentiles are numpy's default (linear interpolation), as vLLM's.
+- median_<m>_ms is always there; p50_<m>_ms too when 50 is among the percentiles, as vLLM's output has both.
+
+Where kvbench departs from vLLM, it says so where it does (statistics of nothing, goodput without an SLO, the
+concurrency sweep).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from numbers import Real
+
+import numpy as np
+import pandas as pd
+
+from harness.errors import ConfigError
+
+MS_PER_S = 1000.0
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")  # vLLM's selected_percentile_metrics, in its print order
+DEFAULT_PERCENTILES = (50, 90, 99)  # issue #16's run row; vLLM's own default is 99 alone
+
+# An SLO string's unit, to milliseconds per unit. Lower case only: "200S" or "200Ms" is a typo, not a unit.
+SLO_UNIT_MS = {"ms": 1.0, "s": 1000.0, "us": 0.001}
+SLO_FORMS = "give a number of milliseconds (200) or a string with a unit: 200ms, 0.2s, 200us"
+_SLO_STRING = re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([A-Za-zµ]*)\s*$")
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished request, as the engine saw it: wall times in seconds on the engine's clock.
+
+    The engine builds it when the request finishes (so a run killed midway still has every finished one), from:
+    - arrival_s: when the request entered the waiting queue (its trace or Poisson arrival);
+    - first_scheduled_s: when the scheduler first admitted it (queue time = first_scheduled_s - arrival_s);
+    - token_times_s: when each output token was produced, the first included, so len() = the output length;
+    - finished_s: when the request left the engine (last token, then its blocks freed);
+    - prompt_len, prefix_hit_tokens: prompt tokens, and those of them found in the prefix cache (not recomputed);
+    - preemptions: how many times it was preempted (recompute or swap) before finishing.
+
+    first_token_s and output_len are read from token_times_s rather than stored beside it, so they cannot disagree.
+    """
+
+    request_id: str
+    arrival_s: float
+    first_scheduled_s: float
+    token_times_s: tuple[float, ...]
+    finished_s: float
+    prompt_len: int
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_times_s", tuple(float(t) for t in self.token_times_s))
+        for name in ("arrival_s", "first_scheduled_s", "finished_s"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        where = f"request {self.request_id!r}"
+        if not self.token_times_s:
+            raise ConfigError(f"{where}: token_times_s: empty; a finished request has produced at least one token")
+        if self.prompt_len < 1:
+            raise ConfigError(f"{where}: prompt_len: must be at least 1, got {self.prompt_len}")
+        if not 0 <= self.prefix_hit_tokens <= self.prompt_len:
+            raise ConfigError(
+                f"{where}: prefix_hit_tokens: must be in [0, prompt_len={self.prompt_len}], "
+                f"got {self.prefix_hit_tokens}"
+            )
+        if self.preemptions < 0:
+            raise ConfigError(f"{where}: preemptions: must be 0 or more, got {self.preemptions}")
+        # The one order a request lives in; a time out of it is the engine's clock misread.
+        chain = [("arrival_s", self.arrival_s), ("first_scheduled_s", self.first_scheduled_s)]
+        chain += [(f"token_times_s[{i}]", t) for i, t in enumerate(self.token_times_s)]
+        chain += [("finished_s", self.finished_s)]
+        for name, value in chain:
+            if not math.isfinite(value):
+                raise ConfigError(f"{where}: {name}: must be a finite time in seconds, got {value}")
+        for (name_before, before), (name_after, after) in pairwise(chain):
+            if after < before:
+                raise ConfigError(
+                    f"{where}: {name_after}={after} is before {name_before}={before}; allowed order: arrival_s <= "
+                    "first_scheduled_s <= token_times_s (non-decreasing) <= finished_s"
+                )
+
+    @property
+    def first_token_s(self) -> float:
+        return self.token_times_s[0]
+
+    @property
+    def output_len(self) -> int:
+        return len(self.token_times_s)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def e2el_s(self) -> float:
+        return self.finished_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """None for a one-token output: no token after the first to divide by."""
+        if self.output_len < 2:
+            return None
+        return (self.e2el_s - self.ttft_s) / (self.output_len - 1)
+
+    @property
+    def itl_s(self) -> list[float]:
+        """The gaps between successive tokens: output_len - 1 of them, none for a one-token output."""
+        return np.diff(self.token_times_s).tolist()
+
+
+def request_row(record: RequestRecord) -> dict:
+    """The request's row of the per-request table (issue #16 item 5), in milliseconds."""
+    tpot_s = record.tpot_s
+    return {
+        "request_id": record.request_id,
+        "arrival_s": record.arrival_s,
+        "queue_ms": (record.first_scheduled_s - record.arrival_s) * MS_PER_S,
+        "ttft_ms": record.ttft_s * MS_PER_S,
+        "tpot_ms": None if tpot_s is None else tpot_s * MS_PER_S,
+        "itl_ms": [gap * MS_PER_S for gap in record.itl_s],
+        "e2el_ms": record.e2el_s * MS_PER_S,
+        "prompt_len": record.prompt_len,
+        "output_len": record.output_len,
+        "prefix_hit_tokens": record.prefix_hit_tokens,
+        "preemptions": record.preemptions,
+    }
+
+
+def parse_slo_ms(value: object, field: str) -> float | None:
+    """An SLO in milliseconds: None stays None (no SLO); a number is milliseconds already (the field's name,
+    e.g. ttft_slo_ms, carries the unit); a string must carry its unit ("200ms", "0.2s", "200 ms", "1500us").
+
+    A unitless string is refused rather than guessed: "200" from a YAML file or a command line could as well
+    have meant seconds, and an SLO off by 1000x passes or fails every request silently (issue #16: "an SLO without
+    a unit" is bad input).
+    """
+    if value is None:
+        return None
+    if isinstance(value, Real) and not isinstance(value, bool):
+        milliseconds = float(value)
+    elif isinstance(value, str):
+        match = _SLO_STRING.match(value)
+        if match is None:
+            raise ConfigError(f"{field}: {value!r} is not a duration; {SLO_FORMS}")
+        number, unit = match.groups()
+        if not unit:
+            raise ConfigError(f"{field}: {value!r} has no unit; {SLO_FORMS}")
+        if unit not in SLO_UNIT_MS:
+            raise ConfigError(f"{field}: {value!r} has an unknown unit {unit!r}; {SLO_FORMS}")
+        milliseconds = float(number) * SLO_UNIT_MS[unit]
+    else:
+        raise ConfigError(f"{field}: {value!r} is not a duration; {SLO_FORMS}")
+    if not (math.isfinite(milliseconds) and milliseconds > 0):
+        raise ConfigError(
+            f"{field}: {value!r} must be a finite positive duration (no SLO: leave it unset); {SLO_FORMS}"
+        )
+    return milliseconds
+
+
+def _percentile_key(percentile: float) -> str:
+    """vLLM's p_word: 99 -> "99", 99.9 -> "99.9", so that p99_ttft_ms and p99.9_ttft_ms are its keys."""
+    return str(int(percentile)) if int(percentile) == percentile else str(percentile)
+
+
+def _statistics_ms(name: str, samples_s: Sequence[float], percentiles: Sequence[float]) -> dict:
+    """mean_, median_, std_ and p<P>_ <name>_ms over samples in seconds.
+
+    No samples (every output one token long, so no TPOT and no ITL) gives None throughout: vLLM reports 0 there
+    (`np.mean(tpots or 0)`), which reads as an infinitely fast decode.
+    """
+    samples_ms = np.asarray(samples_s, dtype=np.float64) * MS_PER_S
+    empty = samples_ms.size == 0
+    figures = {
+        f"mean_{name}_ms": None if empty else float(np.mean(samples_ms)),
+        f"median_{name}_ms": None if empty else float(np.median(samples_ms)),
+        f"std_{name}_ms": None if empty else float(np.std(samples_ms)),  # ddof=0, as vLLM
+    }
+    for percentile in percentiles:
+        figures[f"p{_percentile_key(percentile)}_{name}_ms"] = (
+            None if empty else float(np.percentile(samples_ms, percentile))
+        )
+    return figures
+
+
+def max_concurrent_requests(records: Sequence[RequestRecord]) -> int:
+    """The most requests running at one instant, each from first_scheduled_s to finished_s, by an event sweep.
+
+    Intervals are half-open [first_scheduled_s, finished_s): one request finishing at the very instant another is
+    scheduled does not overlap it (the engine frees the blocks before it admits), so at a tie the end is swept
+    before the start. A preempted request counts as running until it finishes (its record carries no pause times).
+    vLLM's max_concurrent_requests, of the same name, counts requests active within each whole second on the
+    client side instead, which overcounts short requests that follow one another within a second.
+    """
+    events = sorted(
+        [(record.first_scheduled_s, +1) for record in records] + [(record.finished_s, -1) for record in records]
+    )  # (time, -1) sorts before (time, +1): ends first at a tie
+    running = np.cumsum([delta for _, delta in events])
+    return max(0, int(running.max()))
+
+
+def run_metrics(
+    records: Sequence[RequestRecord],
+    duration_s: float,
+    *,
+    percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+    ttft_slo_ms: float | str | None = None,
+    tpot_slo_ms: float | str | None = None,
+    e2el_slo_ms: float | str | None = None,
+) -> dict:
+    """The run row: counts, throughputs, the latency statistics and goodput, under vLLM's result keys.
+
+    duration_s (vLLM's `duration`, seconds) is the run's wall time (first arrival to last finish, or the engine's own
+    clock), which every throughput divides. The SLOs take what parse_slo_ms takes and are recorded in the row.
+    """
+    if len(records) == 0:
+        raise ConfigError("records: no finished requests; a run's metrics need at least one RequestRecord")
+    if not (isinstance(duration_s, Real) and math.isfinite(duration_s) and duration_s > 0):
+        raise ConfigError(f"duration_s: must be a positive number of seconds, got {duration_s!r}")
+    for percentile in percentiles:
+        if not (isinstance(percentile, Real) and 0 <= percentile <= 100):
+            raise ConfigError(f"percentiles: each must be a number in [0, 100], got {percentile!r}")
+    slos_ms = {
+        "ttft": parse_slo_ms(ttft_slo_ms, "ttft_slo_ms"),
+        "tpot": parse_slo_ms(tpot_slo_ms, "tpot_slo_ms"),
+        "e2el": parse_slo_ms(e2el_slo_ms, "e2el_slo_ms"),
+    }
+
+    total_input_tokens = sum(record.prompt_len for record in records)
+    total_output_tokens = sum(record.output_len for record in records)
+    samples_s = {
+        "ttft": [record.ttft_s for record in records],
+        "tpot": [record.tpot_s for record in records if record.tpot_s is not None],
+        "itl": [gap for record in records for gap in record.itl_s],
+        "e2el": [record.e2el_s for record in records],
+    }
+
+    # vLLM's goodput (DistServe, Zhong et al. OSDI 2024): a request is good when it meets every SLO given, each
+    # as value <= slo; a one-token output's TPOT is 0 there. With no SLO every request is good, so the goodput is
+    # the request throughput (vLLM reports None then; a number keeps the column numeric, and the SLO columns,
+    # None, say that nothing constrained it).
+    def is_good(record: RequestRecord) -> bool:
+        value_ms = {
+            "ttft": record.ttft_s * MS_PER_S,
+            "tpot": (record.tpot_s or 0.0) * MS_PER_S,
+            "e2el": record.e2el_s * MS_PER_S,
+        }
+        return all(value_ms[name] <= slo for name, slo in slos_ms.items() if slo is not None)
+
+    good_completed = sum(1 for record in records if is_good(record))
+
+    row = {
+        "duration_s": float(duration_s),
+        "completed": len(records),
+        "total_input_tokens": total_input_tokens,
+        "total_output_tokens": total_output_tokens,
+        "request_throughput": len(records) / duration_s,  # req/s
+        "request_goodput": good_completed / duration_s,  # req/s
+        "ttft_slo_ms": slos_ms["ttft"],
+        "tpot_slo_ms": slos_ms["tpot"],
+        "e2el_slo_ms": slos_ms["e2el"],
+        "output_throughput": total_output_tokens / duration_s,  # tok/s
+        "total_token_throughput": (total_input_tokens + total_output_tokens) / duration_s,  # tok/s
+    }
+    for name in LATENCY_METRICS:
+        row.update(_statistics_ms(name, samples_s[name], percentiles))
+    row["max_concurrent_requests"] = max_concurrent_requests(records)
+    row["total_preemptions"] = sum(record.preemptions for record in records)
+    # Every prompt has at least one token (RequestRecord checks), so the rate is always defined; a run without a
+    # prefix cache reads 0.0.
+    row["prefix_hit_rate"] = sum(record.prefix_hit_tokens for record in records) / total_input_tokens
+    return row
+
+
+def knee(
+    points: Iterable[Mapping] | pd.DataFrame,
+    slo_ms: float | str,
+    *,
+    metric: str = "p99_ttft_ms",
+    x: str = "qps",
+) -> float | None:
+    """The saturation knee (issue #16 item 8): the highest x (qps) below which metric stays at or under the SLO.
+
+    The points are walked up in x, and the knee is the last one before the first that breaks the SLO: a point
+    that meets it again above a failure is noise on an overloaded server, not capacity. A missing metric (None,
+    NaN: a run that failed) breaks the SLO. None when the lowest x already breaks it.
+    """
+    frame = points if isinstance(points, pd.DataFrame) else pd.DataFrame(list(points))
+    if frame.empty:
+        raise ConfigError("points: empty; the knee needs at least one measured point")
+    limit_ms = parse_slo_ms(slo_ms, "slo_ms")
+    if limit_ms is None:
+        raise ConfigError(f"slo_ms: the knee needs an SLO; {SLO_FORMS}")
+    for field, column in (("x", x), ("metric", metric)):
+        if column not in frame.columns:
+            raise ConfigError(
+                f"{field}: no column {column!r} in the points; columns: {', '.join(map(str, frame.columns))}"
+            )
+    highest = None
+    for x_value, value in frame.sort_values(x)[[x, metric]].itertuples(index=False):
+        if value is None or not value <= limit_ms:  # NaN compares False, so a failed run breaks the SLO
+            break
+        highest = float(x_value)
+    return highest

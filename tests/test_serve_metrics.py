@@ -1,0 +1,435 @@
+"""harness.serve.metrics: a serving run's per-request and run figures, against numbers worked out by hand.
+
+Times are multiples of 0.25 s, exact in binary, so the hand arithmetic in the comments is exact; the comparisons
+still use pytest.approx, because the code goes through seconds -> milliseconds and numpy's reductions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from harness.errors import ConfigError
+from harness.serve.metrics import (
+    RequestRecord,
+    knee,
+    max_concurrent_requests,
+    parse_slo_ms,
+    request_row,
+    run_metrics,
+)
+
+DURATION_S = 2.0
+
+
+def three_requests() -> list[RequestRecord]:
+    """A, B and C, with every figure worked out by hand (ms):
+
+    A: arrives 0, scheduled 0.5, tokens at 1.0 1.25 1.5 1.75, done 1.75: queue 500, TTFT 1000, E2EL 1750,
+       TPOT (1750-1000)/3 = 250, ITL 250 250 250.
+    B: arrives 0.25, scheduled at once, tokens at 0.75 1.75, done 2.0 (after its last token): queue 0, TTFT 500,
+       E2EL 1750, TPOT (1750-500)/1 = 1250, ITL 1000.
+    C: arrives 1.0, scheduled 1.75 (the instant A finishes), one token at 2.0, done 2.0: queue 750, TTFT 1000,
+       E2EL 1000, no TPOT, no ITL.
+    """
+    return [
+        RequestRecord(
+            request_id="A",
+            arrival_s=0.0,
+            first_scheduled_s=0.5,
+            token_times_s=[1.0, 1.25, 1.5, 1.75],
+            finished_s=1.75,
+            prompt_len=10,
+            prefix_hit_tokens=4,
+        ),
+        RequestRecord(
+            request_id="B",
+            arrival_s=0.25,
+            first_scheduled_s=0.25,
+            token_times_s=[0.75, 1.75],
+            finished_s=2.0,
+            prompt_len=20,
+            preemptions=1,
+        ),
+        RequestRecord(
+            request_id="C",
+            arrival_s=1.0,
+            first_scheduled_s=1.75,
+            token_times_s=[2.0],
+            finished_s=2.0,
+            prompt_len=10,
+            prefix_hit_tokens=2,
+            preemptions=2,
+        ),
+    ]
+
+
+def record(*, arrival_s=0.0, first_scheduled_s=None, token_times_s=(1.0,), finished_s=None, **fields):
+    """A record from only the times a test cares about: scheduled on arrival, done at its last token."""
+    return RequestRecord(
+        request_id=fields.pop("request_id", "r"),
+        arrival_s=arrival_s,
+        first_scheduled_s=arrival_s if first_scheduled_s is None else first_scheduled_s,
+        token_times_s=token_times_s,
+        finished_s=token_times_s[-1] if finished_s is None else finished_s,
+        prompt_len=fields.pop("prompt_len", 8),
+        **fields,
+    )
+
+
+# --- one request's row --------------------------------------------------------------------------------------------
+
+
+def test_request_row_gives_each_requests_figures_in_ms():
+    rows = {row["request_id"]: row for row in map(request_row, three_requests())}
+    assert rows["A"]["queue_ms"] == pytest.approx(500.0)
+    assert rows["A"]["ttft_ms"] == pytest.approx(1000.0)
+    assert rows["A"]["tpot_ms"] == pytest.approx(250.0)
+    assert rows["A"]["itl_ms"] == pytest.approx([250.0, 250.0, 250.0])
+    assert rows["A"]["e2el_ms"] == pytest.approx(1750.0)
+    assert rows["A"]["output_len"] == 4
+    assert rows["B"]["tpot_ms"] == pytest.approx(1250.0)  # the tail after its last token is in it, as vLLM's
+    assert rows["B"]["preemptions"] == 1
+    assert rows["C"]["queue_ms"] == pytest.approx(750.0)
+
+
+def test_ttft_runs_from_arrival_so_queueing_is_inside_it():
+    # A waits 500 ms, then 500 ms more to its first token: TTFT 1000, not the 500 counted from scheduling.
+    row = request_row(three_requests()[0])
+    assert row["ttft_ms"] == pytest.approx(1000.0)
+    assert row["ttft_ms"] == pytest.approx(row["queue_ms"] + 500.0)
+
+
+def test_tpot_divides_the_time_after_the_first_token_by_the_tokens_after_it():
+    # A: (E2EL 1750 - TTFT 1000) / (4 - 1) = 250; dividing by all 4 tokens would give 187.5.
+    assert request_row(three_requests()[0])["tpot_ms"] == pytest.approx(250.0)
+
+
+def test_a_one_token_output_has_no_tpot_and_no_itl():
+    row = request_row(three_requests()[2])
+    assert row["tpot_ms"] is None
+    assert row["itl_ms"] == []
+
+
+def test_first_token_and_output_length_are_read_from_the_token_times():
+    request = three_requests()[0]
+    assert request.first_token_s == 1.0
+    assert request.output_len == 4
+
+
+# --- the run row --------------------------------------------------------------------------------------------------
+
+
+def test_run_metrics_has_vllms_key_names():
+    metrics = run_metrics(three_requests(), DURATION_S)
+    latency_keys = {
+        f"{stat}_{name}_ms"
+        for name in ("ttft", "tpot", "itl", "e2el")
+        for stat in ("mean", "median", "std", "p50", "p90", "p99")
+    }
+    assert set(metrics) == latency_keys | {
+        "duration_s",
+        "completed",
+        "total_input_tokens",
+        "total_output_tokens",
+        "request_throughput",
+        "request_goodput",
+        "ttft_slo_ms",
+        "tpot_slo_ms",
+        "e2el_slo_ms",
+        "output_throughput",
+        "total_token_throughput",
+        "max_concurrent_requests",
+        "total_preemptions",
+        "prefix_hit_rate",
+    }
+
+
+def test_counts_and_throughputs_over_the_duration():
+    metrics = run_metrics(three_requests(), DURATION_S)
+    assert metrics["completed"] == 3
+    assert metrics["total_input_tokens"] == 40  # 10 + 20 + 10
+    assert metrics["total_output_tokens"] == 7  # 4 + 2 + 1
+    assert metrics["request_throughput"] == pytest.approx(1.5)  # 3 requests / 2 s
+    assert metrics["output_throughput"] == pytest.approx(3.5)  # 7 tokens / 2 s
+    assert metrics["total_token_throughput"] == pytest.approx(23.5)  # 47 tokens / 2 s
+
+
+def test_ttft_statistics_worked_by_hand():
+    # TTFT 1000, 500, 1000: mean 833.33; median 1000; population std sqrt((166.67² + 333.33² + 166.67²) / 3)
+    # = sqrt(55555.6) = 235.70 (ddof=0, as vLLM's np.std); p90 at rank 0.9 * 2 = 1.8 of [500, 1000, 1000] = 1000.
+    metrics = run_metrics(three_requests(), DURATION_S)
+    assert metrics["mean_ttft_ms"] == pytest.approx(2500.0 / 3)
+    assert metrics["median_ttft_ms"] == pytest.approx(1000.0)
+    assert metrics["std_ttft_ms"] == pytest.approx(np.sqrt(500.0**2 * 2 / 9))
+    assert metrics["p90_ttft_ms"] == pytest.approx(1000.0)
+    assert metrics["mean_e2el_ms"] == pytest.approx(1500.0)  # (1750 + 1750 + 1000) / 3
+
+
+def test_tpot_statistics_leave_one_token_outputs_out():
+    # TPOT over A (250) and B (1250) only: mean 750. Counting C as 0 would give 500.
+    metrics = run_metrics(three_requests(), DURATION_S)
+    assert metrics["mean_tpot_ms"] == pytest.approx(750.0)
+    assert metrics["median_tpot_ms"] == pytest.approx(750.0)
+
+
+def test_itl_statistics_pool_every_gap_of_every_request():
+    # Gaps 250, 250, 250 (A) and 1000 (B): mean 437.5, median 250, p90 at rank 2.7 = 250 + 0.7 * 750 = 775.
+    # The mean of each request's mean gap would be (250 + 1000) / 2 = 625.
+    metrics = run_metrics(three_requests(), DURATION_S)
+    assert metrics["mean_itl_ms"] == pytest.approx(437.5)
+    assert metrics["median_itl_ms"] == pytest.approx(250.0)
+    assert metrics["p90_itl_ms"] == pytest.approx(775.0)
+
+
+def test_only_one_token_outputs_leave_tpot_and_itl_statistics_none():
+    metrics = run_metrics([record(token_times_s=(1.0,)), record(token_times_s=(2.0,))], DURATION_S)
+    assert metrics["mean_tpot_ms"] is None
+    assert metrics["p99_itl_ms"] is None
+    assert metrics["mean_ttft_ms"] == pytest.approx(1500.0)
+
+
+def test_percentiles_equal_numpys_linear_percentiles_over_the_request_rows():
+    generator = np.random.default_rng(16)
+    records = []
+    for index in range(40):
+        arrival_s = float(generator.uniform(0.0, 5.0))
+        first_token_s = arrival_s + float(generator.exponential(0.3))
+        gaps_s = generator.exponential(0.02, size=int(generator.integers(0, 12)))
+        records.append(
+            record(request_id=str(index), arrival_s=arrival_s, token_times_s=first_token_s + np.cumsum([0.0, *gaps_s]))
+        )
+    percentiles = (50, 90, 99, 99.9)
+    metrics = run_metrics(records, 6.0, percentiles=percentiles)
+    rows = [request_row(one) for one in records]
+    samples_ms = {
+        "ttft": [row["ttft_ms"] for row in rows],
+        "tpot": [row["tpot_ms"] for row in rows if row["tpot_ms"] is not None],
+        "itl": [gap for row in rows for gap in row["itl_ms"]],
+        "e2el": [row["e2el_ms"] for row in rows],
+    }
+    for name, samples in samples_ms.items():
+        for percentile, key in zip(percentiles, ("p50", "p90", "p99", "p99.9"), strict=True):
+            assert metrics[f"{key}_{name}_ms"] == pytest.approx(np.percentile(samples, percentile)), (name, key)
+        assert metrics[f"median_{name}_ms"] == pytest.approx(metrics[f"p50_{name}_ms"])
+
+
+def test_median_is_there_without_p50_when_50_is_not_asked():
+    metrics = run_metrics(three_requests(), DURATION_S, percentiles=(99,))
+    assert "median_ttft_ms" in metrics
+    assert "p50_ttft_ms" not in metrics
+    assert "p99_ttft_ms" in metrics
+
+
+# --- goodput ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("slos", "good"),
+    [
+        # TTFT A 1000, B 500, C 1000; TPOT A 250, B 1250, C none (0 against an SLO); E2EL A 1750, B 1750, C 1000.
+        ({"ttft_slo_ms": 900}, 1),  # B
+        ({"tpot_slo_ms": 300}, 2),  # A, and C whose one token has no TPOT to break it
+        ({"e2el_slo_ms": "1.5s"}, 1),  # C
+        ({"ttft_slo_ms": 1000, "tpot_slo_ms": "300ms"}, 2),  # A and C: an SLO is met at equality
+        ({"ttft_slo_ms": 900, "tpot_slo_ms": 300}, 0),  # B meets TTFT only, A and C TPOT only
+    ],
+)
+def test_goodput_counts_only_requests_meeting_every_slo_given(slos, good):
+    metrics = run_metrics(three_requests(), DURATION_S, **slos)
+    assert metrics["request_goodput"] == pytest.approx(good / DURATION_S)
+
+
+def test_goodput_without_an_slo_equals_the_request_throughput():
+    metrics = run_metrics(three_requests(), DURATION_S)
+    assert metrics["request_goodput"] == pytest.approx(metrics["request_throughput"])
+    assert (metrics["ttft_slo_ms"], metrics["tpot_slo_ms"], metrics["e2el_slo_ms"]) == (None, None, None)
+
+
+def test_the_slos_are_recorded_in_ms():
+    metrics = run_metrics(three_requests(), DURATION_S, ttft_slo_ms="0.2s", tpot_slo_ms=50, e2el_slo_ms="1500000us")
+    assert metrics["ttft_slo_ms"] == pytest.approx(200.0)
+    assert metrics["tpot_slo_ms"] == pytest.approx(50.0)
+    assert metrics["e2el_slo_ms"] == pytest.approx(1500.0)
+
+
+# --- concurrency, preemptions, prefix hits ------------------------------------------------------------------------
+
+
+def test_max_concurrent_requests_counts_a_request_finishing_as_another_starts_once():
+    # A [0.5, 1.75) and B [0.25, 2.0) overlap: 2. C starts at 1.75, the instant A ends: still 2, not 3.
+    assert run_metrics(three_requests(), DURATION_S)["max_concurrent_requests"] == 2
+
+
+def test_max_concurrent_requests_of_touching_and_overlapping_intervals():
+    first = record(arrival_s=0.0, token_times_s=(1.0,))
+    touching = record(arrival_s=1.0, token_times_s=(2.0,))
+    overlapping = record(arrival_s=0.75, token_times_s=(2.0,))
+    assert max_concurrent_requests([first, touching]) == 1
+    assert max_concurrent_requests([first, overlapping]) == 2
+    assert max_concurrent_requests([first, touching, overlapping]) == 2
+
+
+def test_max_concurrent_requests_of_a_burst_is_its_size():
+    burst = [record(request_id=str(index), arrival_s=0.0, token_times_s=(1.0 + index,)) for index in range(5)]
+    assert max_concurrent_requests(burst) == 5
+
+
+def test_preemptions_are_summed_and_prefix_hits_are_a_share_of_prompt_tokens():
+    metrics = run_metrics(three_requests(), DURATION_S)
+    assert metrics["total_preemptions"] == 3  # 0 + 1 + 2
+    assert metrics["prefix_hit_rate"] == pytest.approx(0.15)  # (4 + 0 + 2) / 40
+
+
+# --- bad input ----------------------------------------------------------------------------------------------------
+
+
+def test_no_records_is_an_error():
+    with pytest.raises(ConfigError, match=r"^records: no finished requests"):
+        run_metrics([], DURATION_S)
+
+
+@pytest.mark.parametrize("duration_s", [0, 0.0, -1.0, float("nan"), float("inf")])
+def test_a_duration_that_is_not_positive_is_an_error(duration_s):
+    with pytest.raises(ConfigError, match=r"^duration_s: must be a positive number of seconds"):
+        run_metrics(three_requests(), duration_s)
+
+
+def test_a_percentile_out_of_range_is_an_error():
+    with pytest.raises(ConfigError, match=r"^percentiles: each must be a number in \[0, 100\], got 101"):
+        run_metrics(three_requests(), DURATION_S, percentiles=(50, 101))
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"token_times_s": ()}, r"token_times_s: empty"),
+        ({"arrival_s": 1.0, "first_scheduled_s": 0.5}, r"first_scheduled_s=0.5 is before arrival_s=1.0"),
+        ({"token_times_s": (1.0, 0.5)}, r"token_times_s\[1\]=0.5 is before token_times_s\[0\]=1.0"),
+        ({"token_times_s": (1.0,), "finished_s": 0.9}, r"finished_s=0.9 is before token_times_s\[0\]=1.0"),
+        ({"prompt_len": 0}, r"prompt_len: must be at least 1"),
+        ({"prompt_len": 4, "prefix_hit_tokens": 5}, r"prefix_hit_tokens: must be in \[0, prompt_len=4\]"),
+        ({"preemptions": -1}, r"preemptions: must be 0 or more"),
+    ],
+)
+def test_a_record_out_of_order_or_out_of_range_is_refused_in_one_line(fields, message):
+    times = {key: fields.pop(key) for key in ("arrival_s", "first_scheduled_s", "finished_s") if key in fields}
+    token_times_s = fields.pop("token_times_s", (1.0,))
+    with pytest.raises(ConfigError, match=r"^request 'r': " + message) as caught:
+        RequestRecord(
+            request_id="r",
+            arrival_s=times.get("arrival_s", 0.0),
+            first_scheduled_s=times.get("first_scheduled_s", times.get("arrival_s", 0.0)),
+            token_times_s=token_times_s,
+            finished_s=times.get("finished_s", token_times_s[-1] if token_times_s else 1.0),
+            prompt_len=fields.pop("prompt_len", 8),
+            **fields,
+        )
+    assert "\n" not in str(caught.value)
+
+
+# --- SLO parsing --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "milliseconds"),
+    [
+        (200, 200.0),  # a number is milliseconds: the field is named ttft_slo_ms
+        (0.5, 0.5),
+        (np.float64(12.5), 12.5),
+        ("200ms", 200.0),
+        ("200 ms", 200.0),
+        ("0.2s", 200.0),
+        (" 2s ", 2000.0),
+        ("1500us", 1.5),
+        ("1e3ms", 1000.0),
+        (".5s", 500.0),
+    ],
+)
+def test_parse_slo_ms_accepts_a_number_of_ms_or_a_string_with_a_unit(value, milliseconds):
+    assert parse_slo_ms(value, "ttft_slo_ms") == pytest.approx(milliseconds)
+
+
+def test_parse_slo_ms_leaves_no_slo_as_none():
+    assert parse_slo_ms(None, "ttft_slo_ms") is None
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("200", "'200' has no unit"),
+        ("200min", "'200min' has an unknown unit 'min'"),
+        ("200MS", "'200MS' has an unknown unit 'MS'"),
+        ("fast", "'fast' is not a duration"),
+        ("200 ms ms", "'200 ms ms' is not a duration"),
+        ("", "'' is not a duration"),
+        (True, "True is not a duration"),
+        ([200], r"\[200\] is not a duration"),
+        (0, "0 must be a finite positive duration"),
+        (-5.0, "-5.0 must be a finite positive duration"),
+        ("-5ms", "'-5ms' must be a finite positive duration"),
+        ("0s", "'0s' must be a finite positive duration"),
+        (float("inf"), "inf must be a finite positive duration"),
+        (float("nan"), "nan must be a finite positive duration"),
+    ],
+)
+def test_parse_slo_ms_refuses_in_one_line_naming_the_field_and_the_forms(value, problem):
+    with pytest.raises(ConfigError, match=rf"^ttft_slo_ms: {problem}") as caught:
+        parse_slo_ms(value, "ttft_slo_ms")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.endswith("give a number of milliseconds (200) or a string with a unit: 200ms, 0.2s, 200us")
+
+
+def test_run_metrics_refuses_an_slo_without_a_unit():
+    with pytest.raises(ConfigError, match=r"^tpot_slo_ms: '50' has no unit"):
+        run_metrics(three_requests(), DURATION_S, tpot_slo_ms="50")
+
+
+# --- the saturation knee ------------------------------------------------------------------------------------------
+
+SWEEP = [
+    {"qps": 4.0, "p99_ttft_ms": 450.0},
+    {"qps": 1.0, "p99_ttft_ms": 120.0},  # out of order: the knee sorts by qps
+    {"qps": 2.0, "p99_ttft_ms": 200.0},
+    {"qps": 8.0, "p99_ttft_ms": 3000.0},
+]
+
+
+def test_knee_is_the_highest_qps_whose_p99_ttft_stays_under_the_slo():
+    assert knee(SWEEP, "500ms") == 4.0
+    assert knee(SWEEP, 200) == 2.0  # met at equality
+
+
+def test_knee_takes_a_dataframe_and_other_columns():
+    frame = pd.DataFrame(SWEEP).rename(columns={"qps": "request_rate", "p99_ttft_ms": "p90_tpot_ms"})
+    assert knee(frame, "0.3s", metric="p90_tpot_ms", x="request_rate") == 2.0
+
+
+def test_knee_stops_at_the_first_failure_even_if_a_higher_qps_meets_the_slo_again():
+    noisy = [*SWEEP, {"qps": 16.0, "p99_ttft_ms": 100.0}]
+    assert knee(noisy, "500ms") == 4.0
+
+
+def test_knee_counts_a_missing_metric_as_a_failure():
+    failed_run = [
+        {"qps": 1.0, "p99_ttft_ms": 100.0},
+        {"qps": 2.0, "p99_ttft_ms": None},
+        {"qps": 4.0, "p99_ttft_ms": 100.0},
+    ]
+    assert knee(failed_run, "500ms") == 1.0
+    assert knee(pd.DataFrame(failed_run), "500ms") == 1.0  # None becomes NaN in a frame
+
+
+def test_knee_is_none_when_the_lowest_qps_already_breaks_the_slo():
+    assert knee(SWEEP, "100ms") is None
+
+
+def test_knee_of_bad_input_is_one_line():
+    with pytest.raises(ConfigError, match=r"^metric: no column 'p99_itl_ms' in the points; columns: qps, p99_ttft_ms$"):
+        knee(SWEEP, "500ms", metric="p99_itl_ms")
+    with pytest.raises(ConfigError, match=r"^points: empty"):
+        knee([], "500ms")
+    with pytest.raises(ConfigError, match=r"^slo_ms: '500' has no unit"):
+        knee(SWEEP, "500")
