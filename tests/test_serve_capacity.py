@@ -231,9 +231,9 @@ def test_a_mix_that_fits_whole_runs_all_of_it():
 # --- the fleet ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("target", "per_replica", "replicas"), [(10, 3, 4), (9, 3, 3), (1.1, 0.1, 11), (0.5, 2, 1)])
+@pytest.mark.parametrize(("target", "per_replica", "replicas"), [(10, 3, 4), (9, 3, 3), (2.1, 0.3, 7), (0.5, 2, 1)])
 def test_replicas_needed_is_the_ceiling_of_target_over_one_replicas_knee(target, per_replica, replicas):
-    assert replicas_needed(target, per_replica) == replicas  # 1.1 / 0.1 = 11.000000000000002 in floats
+    assert replicas_needed(target, per_replica) == replicas  # 2.1 / 0.3 = 7.000000000000001 in floats
 
 
 @pytest.mark.parametrize(("target", "per_replica"), [(0, 3), (-1, 3), (10, 0), (math.inf, 3), (10, math.nan)])

@@ -347,7 +347,7 @@ def predict_concurrency(
 def replicas_needed(target_qps: float, per_replica_max_qps: float) -> int:
     """Replicas that serve target_qps when one serves per_replica_max_qps within the SLO (the saturation sweep's
     knee): ceil(target / per_replica), each replica loaded at or below its knee. The ratio is rounded to 9 decimals
-    first, so that float noise (1.1 / 0.1 = 11.000000000000002) does not add a replica."""
+    first, so that float noise (2.1 / 0.3 = 7.000000000000001) does not add a replica."""
     for name, value in (("target_qps", target_qps), ("per_replica_max_qps", per_replica_max_qps)):
         if not _is_number(value) or not 0 < value < math.inf:
             raise ConfigError(f"{name}: must be a finite number of requests/s > 0, got {value!r}")
