@@ -1,0 +1,332 @@
+"""KV block accounting for a serving engine: which request holds which blocks of a fixed pool, per strategy.
+
+Pure bookkeeping, torch-free: no tensor is touched here. The engine sizes the pool from bytes (`num_blocks_for`:
+fp8 or int8 KV gives about twice the blocks of bf16 at one budget; the dtype is not this module's concern), asks
+the manager for a request's block table, and writes K/V there.
+
+After vLLM v1 (vllm/v1/core/block_pool.py, kv_cache_manager.py, single_type_kv_cache_manager.py):
+- `BlockPool`: a free queue in LRU order (blocks freed go to its tail, new blocks come from its head), a ref count
+  per block, and a map from block hash to cached block. A cached block whose ref count falls to 0 stays cached *and*
+  free: it is reused on a hit, and evicted (its hash dropped) only when the head of the free queue hands it out.
+- `PagedKVManager`: block tables grown as tokens arrive (`paged`), optionally with prefix caching (`prefix`, vLLM's
+  enable_caching) or a sliding window (`sliding`, vLLM's SlidingWindowManager.remove_skipped_blocks).
+- `ContiguousKVManager`: the pre-vLLM baseline (Orca, FasterTransformer): a slot of max_model_len tokens reserved
+  per running request up front (Kwon et al. 2023, section 2.3: the reservation is the waste paging removes).
+
+Every manager answers the same calls: cached_prefix_tokens, can_allocate, allocate, free, block_table,
+peak_blocks, fits_alone, usage, prefix_hit_tokens, num_free_blocks. `num_tokens` is always the tokens a request holds K/V for
+once this iteration's tokens are computed (its computed tokens plus the new ones).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from harness.errors import ConfigError, KVPoolExhausted
+from harness.serve.requests import Request
+
+STRATEGIES = ("contiguous", "paged", "prefix", "sliding")
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold num_tokens tokens (harness.kv.base.blocks_for's, without importing torch)."""
+    return math.ceil(num_tokens / block_size)
+
+
+def num_blocks_for(kv_budget_bytes: int, bytes_per_block: int) -> int:
+    """Whole blocks a KV budget holds (vLLM's determine_available_memory // page_size_bytes)."""
+    if not kv_budget_bytes > 0:
+        raise ConfigError(f"kv_budget_bytes: must be > 0 bytes, got {kv_budget_bytes!r}")
+    if not bytes_per_block > 0:
+        raise ConfigError(f"bytes_per_block: must be > 0 bytes, got {bytes_per_block!r}")
+    return int(kv_budget_bytes // bytes_per_block)
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """The pool at one instant, for the per-iteration row. Blocks free include cached blocks no request holds
+    (evictable, as vLLM's get_num_free_blocks counts them); tokens_live <= tokens_allocated, the gap being internal
+    fragmentation (paged: the last block's tail; contiguous: the unreached part of every slot)."""
+
+    blocks_used: int
+    blocks_free: int
+    blocks_cached: int  # prefix blocks kept in the cache, in use or not; 0 without prefix caching
+    tokens_live: int  # tokens whose K/V a later query still reads, shared blocks counted once
+    tokens_allocated: int  # blocks_used * block_size (contiguous: slots used * max_model_len)
+
+
+class BlockPool:
+    """num_blocks blocks of block_size tokens: a free queue (LRU order), ref counts and the prefix-cache map."""
+
+    def __init__(self, *, num_blocks: int, block_size: int) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.ref_counts = [0] * num_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = evicted first
+        self.block_hash: dict[int, object] = {}  # block id -> its hash, for cached blocks only
+        self.cached: dict[object, int] = {}  # hash -> block id (vLLM's cached_block_hash_to_block)
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def get_new_blocks(self, count: int) -> list[int]:
+        """count blocks off the free queue's head, ref count 1; a cached block taken this way is evicted."""
+        if count > len(self.free_queue):
+            raise KVPoolExhausted(f"KV pool: {count} blocks asked, {len(self.free_queue)} free")
+        blocks = []
+        for _ in range(count):
+            block, _ = self.free_queue.popitem(last=False)
+            if block in self.block_hash:  # vLLM's _maybe_evict_cached_block
+                del self.cached[self.block_hash.pop(block)]
+                self.num_evictions += 1
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def touch(self, blocks: list[int]) -> None:
+        """One more holder for each (cached) block; a free one leaves the free queue."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self.free_queue[block]
+            self.ref_counts[block] += 1
+
+    def free_blocks(self, blocks: list[int]) -> None:
+        """One holder fewer for each; at 0 a block goes to the free queue's tail (kept cached if it was).
+        The caller passes a table tail first, as vLLM does, so that a prefix's last blocks are evicted first."""
+        for block in blocks:
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} freed more often than taken"
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+
+    def cache_block(self, block: int, block_hash: object) -> None:
+        if block_hash not in self.cached and block not in self.block_hash:
+            self.cached[block_hash] = block
+            self.block_hash[block] = block_hash
+
+
+class PagedKVManager:
+    """Block tables over one BlockPool: `paged`, `prefix` (prefix_caching) or `sliding` (sliding_window tokens).
+
+    prefix: a request's first floor(prefix_len / block_size) blocks are its shared prefix. Every request's prefix
+    tokens are the same system prompt (requests.py builds them so), so a block is keyed by its position in the
+    prefix alone: vLLM's chained block hash reduces to ("prefix", index) here. A block is cached as soon as an
+    iteration schedules its tokens (vLLM's cache_blocks in allocate_slots): the engine must write a block's K/V
+    before a later request in the same iteration reads it, as one forward does layer by layer.
+
+    sliding: a query at position i reads keys j with i - j < window (harness.kv.sliding's rule, no sinks). Before
+    an iteration computes tokens [c, c + n), blocks wholly before c - window + 1 are freed (vLLM's
+    remove_skipped_blocks), so a decoding request holds at most ceil(window / block_size) + 1 blocks, and one
+    computing a chunk of n tokens at most ceil((window + n - 1) / block_size) + 1.
+    """
+
+    def __init__(
+        self, *, num_blocks: int, block_size: int, prefix_caching: bool = False, sliding_window: int | None = None
+    ) -> None:
+        _check_pool(num_blocks=num_blocks, block_size=block_size)
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not sliding_window >= 1):
+            raise ConfigError(f"sliding_window: must be an integer >= 1 token, got {sliding_window!r}")
+        if prefix_caching and sliding_window is not None:
+            raise ConfigError("sliding_window: must be None with prefix_caching (a slid-off prefix is not shared)")
+        self.pool = BlockPool(num_blocks=num_blocks, block_size=block_size)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.prefix_caching, self.sliding_window = prefix_caching, sliding_window
+        self.tables: dict[int, list[int | None]] = {}  # request id -> block per logical index; None: slid off
+        self.num_tokens: dict[int, int] = {}  # request id -> tokens it holds K/V for
+        self.hit_tokens: dict[int, int] = {}  # request id -> prefix tokens found cached at its first admission
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def _prefix_blocks(self, request: Request, num_tokens: int) -> int:
+        """Whole prefix blocks a request may share: at least one token is left to compute (vLLM recomputes the
+        last one of a full hit, so that the forward yields logits)."""
+        if not self.prefix_caching:
+            return 0
+        return min(request.prefix_len, num_tokens - 1) // self.block_size
+
+    def _cached_hits(self, request: Request, num_tokens: int) -> list[int]:
+        """The cached blocks of the request's prefix, from its start up to the first miss."""
+        hits = []
+        for index in range(self._prefix_blocks(request, num_tokens)):
+            block = self.pool.cached.get(("prefix", index))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def cached_prefix_tokens(self, request: Request, num_tokens: int) -> int:
+        """Tokens of a request not holding blocks yet that the prefix cache already has (whole blocks)."""
+        if request.request_id in self.tables:
+            return 0
+        return len(self._cached_hits(request, num_tokens)) * self.block_size
+
+    def _first_kept_block(self, num_computed_tokens: int) -> int:
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def _plan(self, request: Request, num_tokens: int) -> tuple[list[int], int, int]:
+        """(cached hits to touch, new blocks to take, blocks the window frees) for growing to num_tokens."""
+        table = self.tables.get(request.request_id)
+        if table is None:
+            hits = self._cached_hits(request, num_tokens)
+            return hits, blocks_for(num_tokens, self.block_size) - len(hits), 0
+        held_tokens = self.num_tokens[request.request_id]
+        first_kept = self._first_kept_block(held_tokens)
+        slid_off = sum(1 for block in table[:first_kept] if block is not None)
+        return [], blocks_for(num_tokens, self.block_size) - len(table), slid_off
+
+    def can_allocate(self, request: Request, num_tokens: int, *, watermark_blocks: int = 0) -> bool:
+        """Whether growing to num_tokens fits and leaves watermark_blocks free (vLLM v0's can_allocate)."""
+        hits, new_blocks, slid_off = self._plan(request, num_tokens)
+        revived = sum(1 for block in hits if self.pool.ref_counts[block] == 0)  # leave the free queue on a hit
+        return new_blocks + revived <= self.num_free_blocks + slid_off - watermark_blocks
+
+    def allocate(self, request: Request, num_tokens: int) -> None:
+        """Grow the request's table to hold num_tokens tokens (can_allocate first: KVPoolExhausted otherwise)."""
+        if not self.can_allocate(request, num_tokens):
+            raise KVPoolExhausted(f"request {request.request_id}: no blocks for {num_tokens} tokens")
+        hits, new_blocks, _ = self._plan(request, num_tokens)
+        rid = request.request_id
+        if rid not in self.tables:
+            self.pool.touch(hits)
+            self.tables[rid], self.num_tokens[rid] = list(hits), 0
+            self.hit_tokens.setdefault(rid, len(hits) * self.block_size)  # its first admission only, as vLLM's
+        table = self.tables[rid]
+        first_kept = self._first_kept_block(self.num_tokens[rid])
+        slid_off = [block for block in table[:first_kept] if block is not None]
+        self.pool.free_blocks(slid_off[::-1])
+        table[:first_kept] = [None] * first_kept
+        table += self.pool.get_new_blocks(new_blocks)
+        self.num_tokens[rid] = max(num_tokens, self.num_tokens[rid])
+        for index in range(self._prefix_blocks(request, num_tokens)):  # scheduled prefix blocks become hits
+            self.pool.cache_block(table[index], ("prefix", index))
+
+    def free(self, request_id: int) -> None:
+        """Return a request's blocks (finished or preempted), its last block first (vLLM's free order)."""
+        table = self.tables.pop(request_id, [])
+        self.num_tokens.pop(request_id, None)
+        self.pool.free_blocks([block for block in reversed(table) if block is not None])
+
+    def block_table(self, request_id: int) -> list[int | None]:
+        """The request's physical block per logical block (None: slid out of the window)."""
+        return list(self.tables.get(request_id, []))
+
+    def peak_blocks(self, num_tokens: int, *, max_chunk_tokens: int) -> int:
+        """The most blocks a request of num_tokens tokens ever holds, computing at most max_chunk_tokens at once."""
+        whole = blocks_for(num_tokens, self.block_size)
+        if self.sliding_window is None:
+            return whole
+        return min(whole, blocks_for(self.sliding_window + max_chunk_tokens - 1, self.block_size) + 1)
+
+    def fits_alone(self, num_tokens: int, *, max_chunk_tokens: int, watermark_blocks: int) -> bool:
+        """Whether a request of num_tokens tokens runs in the empty pool: its peak plus the watermark (vLLM v0's
+        AllocStatus.NEVER is the opposite), so that admission alone never blocks the queue for good."""
+        return self.peak_blocks(num_tokens, max_chunk_tokens=max_chunk_tokens) + watermark_blocks <= self.num_blocks
+
+    def prefix_hit_tokens(self, request_id: int) -> int:
+        return self.hit_tokens.get(request_id, 0)
+
+    def usage(self) -> KVUsage:
+        live_per_block: dict[int, int] = {}  # a shared block is counted once
+        for rid, table in self.tables.items():
+            num_tokens = self.num_tokens[rid]
+            live_start = 0 if self.sliding_window is None else max(0, num_tokens - self.sliding_window + 1)
+            for index, block in enumerate(table):
+                if block is not None:
+                    start, end = (
+                        max(index * self.block_size, live_start),
+                        min((index + 1) * self.block_size, num_tokens),
+                    )
+                    live_per_block[block] = max(live_per_block.get(block, 0), max(0, end - start))
+        blocks_used = self.num_blocks - self.num_free_blocks
+        return KVUsage(
+            blocks_used=blocks_used,
+            blocks_free=self.num_free_blocks,
+            blocks_cached=len(self.pool.cached),
+            tokens_live=sum(live_per_block.values()),
+            tokens_allocated=blocks_used * self.block_size,
+        )
+
+
+class ContiguousKVManager:
+    """One slot of max_model_len tokens per running request, reserved whole at admission; slots =
+    (num_blocks * block_size) // max_model_len, the budget's tokens cut into maximal requests. A slot never grows,
+    so the watermark (headroom for growth) does not apply, and a request admitted is never preempted."""
+
+    def __init__(self, *, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        _check_pool(num_blocks=num_blocks, block_size=block_size)
+        self.num_blocks, self.block_size, self.max_model_len = num_blocks, block_size, max_model_len
+        self.num_slots = num_blocks * block_size // max_model_len
+        self.num_tokens: dict[int, int] = {}  # request id -> tokens it holds K/V for, in its slot
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_blocks - blocks_for(len(self.num_tokens) * self.max_model_len, self.block_size)
+
+    def cached_prefix_tokens(self, request: Request, num_tokens: int) -> int:
+        return 0
+
+    def can_allocate(self, request: Request, num_tokens: int, *, watermark_blocks: int = 0) -> bool:
+        if num_tokens > self.max_model_len:
+            return False
+        return request.request_id in self.num_tokens or len(self.num_tokens) < self.num_slots
+
+    def allocate(self, request: Request, num_tokens: int) -> None:
+        if not self.can_allocate(request, num_tokens):
+            raise KVPoolExhausted(f"request {request.request_id}: no free slot of {self.max_model_len} tokens")
+        self.num_tokens[request.request_id] = max(num_tokens, self.num_tokens.get(request.request_id, 0))
+
+    def free(self, request_id: int) -> None:
+        self.num_tokens.pop(request_id, None)
+
+    def block_table(self, request_id: int) -> list[int | None]:
+        return []  # a slot is addressed by its index in the engine, not by blocks
+
+    def peak_blocks(self, num_tokens: int, *, max_chunk_tokens: int) -> int:
+        return blocks_for(self.max_model_len, self.block_size)  # the whole slot, whatever the request's length
+
+    def fits_alone(self, num_tokens: int, *, max_chunk_tokens: int, watermark_blocks: int) -> bool:
+        return self.num_slots >= 1 and num_tokens <= self.max_model_len
+
+    def prefix_hit_tokens(self, request_id: int) -> int:
+        return 0
+
+    def usage(self) -> KVUsage:
+        tokens_allocated = len(self.num_tokens) * self.max_model_len
+        return KVUsage(
+            blocks_used=self.num_blocks - self.num_free_blocks,
+            blocks_free=self.num_free_blocks,
+            blocks_cached=0,
+            tokens_live=sum(self.num_tokens.values()),
+            tokens_allocated=tokens_allocated,
+        )
+
+
+def _check_pool(*, num_blocks: int, block_size: int) -> None:
+    for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name}: must be an integer >= 1, got {value!r}")
+
+
+def make_kv_manager(
+    strategy: str, *, num_blocks: int, block_size: int, max_model_len: int, sliding_window: int | None = None
+) -> PagedKVManager | ContiguousKVManager:
+    """The manager for one of STRATEGIES over a pool of num_blocks blocks of block_size tokens."""
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"strategy: must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if (strategy == "sliding") != (sliding_window is not None):
+        raise ConfigError(f"sliding_window: must be set (tokens >= 1) for sliding only, got {sliding_window!r}")
+    if strategy == "contiguous":
+        return ContiguousKVManager(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len)
+    return PagedKVManager(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        prefix_caching=strategy == "prefix",
+        sliding_window=sliding_window,
+    )
