@@ -1,0 +1,246 @@
+"""How a serving run's three tables reach disk: request rows, iteration rows and the run row, in one run folder.
+
+`<results_dir>/serve/<run_id>/` holds numbered part files (requests-00000.parquet, iterations-00000.parquet, ...)
+flushed as the run goes, and run.parquet, written last by close(). Every file goes through the one atomic writer
+(harness.store.disk.write_parquet), so a run killed midway leaves whole parts and never half of one: its finished
+requests load, with no run row. Rows buffered since the last flush die with a SIGKILL; an exception (Ctrl-C
+included) inside `with ServeRunWriter(...)` flushes them first.
+
+Every part is built against an explicit schema (below), so all parts of a table have one set of types whatever
+values a part happened to hold (a part of one-token outputs has tpot_ms all null, still float64).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from harness.errors import ConfigError
+from harness.serve.metrics import LATENCY_METRICS
+from harness.serve.scheduler import SchedulerOutput
+from harness.store.disk import write_parquet
+
+SERVE_DIR = "serve"  # <results_dir>/serve/<run_id>/
+RUN_FILE = "run.parquet"
+TABLES = ("requests", "iterations")
+_RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")  # a folder name, safe everywhere and never hidden
+_PERCENTILE_COLUMN = re.compile(rf"p\d+(\.\d+)?_({'|'.join(LATENCY_METRICS)})_ms")  # run_metrics' p<P>_<m>_ms
+
+F64, I64, STR = pa.float64(), pa.int64(), pa.string()
+
+
+def _required(name: str, type_: pa.DataType) -> pa.Field:
+    return pa.field(name, type_, nullable=False)
+
+
+REQUEST_SCHEMA = pa.schema(  # metrics.request_row's keys, plus run_id
+    [
+        _required("run_id", STR),
+        _required("request_id", STR),
+        _required("arrival_s", F64),
+        _required("queue_ms", F64),
+        _required("ttft_ms", F64),
+        pa.field("tpot_ms", F64),  # null for a one-token output: no token after the first
+        _required("itl_ms", pa.list_(F64)),  # output_len - 1 gaps, [] for a one-token output
+        _required("e2el_ms", F64),
+        _required("prompt_len", I64),  # tokens
+        _required("output_len", I64),  # tokens
+        _required("prefix_hit_tokens", I64),
+        _required("preemptions", I64),
+    ]
+)
+ITERATION_SCHEMA = pa.schema(  # iteration_row's keys, plus run_id
+    [_required("run_id", STR), _required("iteration", I64), _required("time_s", F64), _required("step_ms", F64)]
+    + [
+        _required(name, I64)
+        for name in (
+            "num_running",
+            "num_waiting",
+            "num_prefill_tokens",
+            "num_decode_tokens",
+            "num_preempted",
+            "kv_used_blocks",
+            "kv_free_blocks",
+            "kv_cached_blocks",
+            "kv_live_tokens",
+            "kv_allocated_tokens",
+        )
+    ]
+)
+# The run row: metrics.run_metrics' keys, plus run_id and config_json. Its p<P>_<metric>_ms columns follow the
+# percentiles the run asked for, so they are added per row (float64, nullable) rather than fixed here.
+RUN_FIELDS = [_required("run_id", STR), _required("config_json", STR), _required("duration_s", F64)]
+RUN_FIELDS += [_required(name, I64) for name in ("completed", "total_input_tokens", "total_output_tokens")]
+RUN_FIELDS += [_required(name, F64) for name in ("request_throughput", "request_goodput")]  # req/s
+RUN_FIELDS += [pa.field(f"{name}_slo_ms", F64) for name in ("ttft", "tpot", "e2el")]  # null: no SLO
+RUN_FIELDS += [_required(name, F64) for name in ("output_throughput", "total_token_throughput")]  # tok/s
+RUN_FIELDS += [pa.field(f"{s}_{m}_ms", F64) for m in LATENCY_METRICS for s in ("mean", "median", "std")]
+RUN_FIELDS += [_required("max_concurrent_requests", I64), _required("total_preemptions", I64)]
+RUN_FIELDS += [_required("prefix_hit_rate", F64)]
+SCHEMAS = {"requests": REQUEST_SCHEMA, "iterations": ITERATION_SCHEMA}
+
+
+def serve_run_dir(results_dir: str | Path, run_id: str) -> Path:
+    """<results_dir>/serve/<run_id>: the folder of one serving run."""
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
+        raise ConfigError(f"run_id: must be a non-empty string of [A-Za-z0-9_.-] not starting with '.', got {run_id!r}")
+    return Path(results_dir) / SERVE_DIR / run_id
+
+
+def iteration_row(index: int, output: SchedulerOutput, step_s: float) -> dict:
+    """One scheduler iteration's row: time_s is when it was scheduled (the engine's clock, seconds), step_ms how
+    long its forward took; the KV figures are the pool after this iteration's allocation."""
+    return {
+        "iteration": index,
+        "time_s": output.now_s,
+        "step_ms": step_s * 1000.0,
+        "num_running": output.num_running,
+        "num_waiting": output.num_waiting,
+        "num_prefill_tokens": output.num_prefill_tokens,
+        "num_decode_tokens": output.num_decode_tokens,
+        "num_preempted": len(output.preempted_ids),
+        "kv_used_blocks": output.kv.blocks_used,
+        "kv_free_blocks": output.kv.blocks_free,
+        "kv_cached_blocks": output.kv.blocks_cached,
+        "kv_live_tokens": output.kv.tokens_live,
+        "kv_allocated_tokens": output.kv.tokens_allocated,
+    }
+
+
+def run_schema(columns) -> pa.Schema:
+    """RUN_FIELDS plus the row's own percentile columns, in the row's order."""
+    return pa.schema(RUN_FIELDS + [pa.field(name, F64) for name in columns if _PERCENTILE_COLUMN.fullmatch(name)])
+
+
+def _check_columns(row: Mapping, schema: pa.Schema, what: str) -> None:
+    """A row's keys must be the schema's (run_id aside, which the writer adds): anything else is a bug upstream."""
+    expected = [name for name in schema.names if name != "run_id"]
+    for name in row:
+        if name not in expected:
+            raise ValueError(f"{what}: unknown column {name!r}; allowed: {', '.join(expected)}")
+    for name in expected:
+        if name not in row:
+            raise ValueError(f"{what}: missing column {name!r}")
+
+
+def _table(rows: list[Mapping], schema: pa.Schema) -> pa.Table:
+    arrays = []
+    for field in schema:
+        try:  # from_pandas: a NaN becomes null, so "no figure" has one spelling on disk
+            array = pa.array([row[field.name] for row in rows], type=field.type, from_pandas=True)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError) as exc:
+            raise ValueError(f"column {field.name!r} ({field.type}) cannot hold its values: {exc}") from None
+        if not field.nullable and array.null_count:
+            raise ValueError(f"column {field.name!r}: null in a column that is never missing")
+        arrays.append(array)
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+class ServeRunWriter:
+    """Buffers request and iteration rows and flushes each table as a numbered part every flush_every rows.
+
+    flush_every bounds what a SIGKILL loses (rows since the last flush, per table) against the number of files
+    (one fsync'd part per flush); the engine may also call flush() itself, e.g. once per second.
+    """
+
+    def __init__(self, run_dir: str | Path, *, flush_every: int = 64) -> None:
+        if not (isinstance(flush_every, int) and flush_every >= 1):
+            raise ConfigError(f"flush_every: must be an integer >= 1 rows, got {flush_every!r}")
+        self.run_dir, self.flush_every = Path(run_dir), flush_every
+        self.run_id = self.run_dir.name
+        # Refuse to mix two runs in one folder: new parts would interleave with (or overwrite) the old ones.
+        if self.run_dir.is_dir() and (
+            any(_parts(self.run_dir, t) for t in TABLES) or (self.run_dir / RUN_FILE).exists()
+        ):
+            raise ConfigError(f"run_id: {self.run_dir} already holds a serving run; choose a new run_id")
+        self.buffers: dict[str, list[dict]] = {table: [] for table in TABLES}
+        self.next_part = dict.fromkeys(TABLES, 0)
+        self.closed = False
+
+    def add_request(self, row: Mapping) -> None:
+        self._add("requests", row)
+
+    def add_iteration(self, row: Mapping) -> None:
+        self._add("iterations", row)
+
+    def _add(self, table: str, row: Mapping) -> None:
+        if self.closed:
+            raise ValueError(f"{self.run_dir}: add_{table[:-1]} after close()")
+        _check_columns(row, SCHEMAS[table], f"{table} row")
+        self.buffers[table].append({**row, "run_id": self.run_id})
+        if len(self.buffers[table]) >= self.flush_every:
+            self._flush(table)
+
+    def flush(self) -> None:
+        """Every buffered row to disk now, one part per table that has any."""
+        for table in TABLES:
+            self._flush(table)
+
+    def _flush(self, table: str) -> None:
+        rows = self.buffers[table]
+        if not rows:
+            return
+        path = self.run_dir / f"{table}-{self.next_part[table]:05d}.parquet"
+        write_parquet(table=_table(rows, SCHEMAS[table]), path=path)
+        self.next_part[table] += 1
+        self.buffers[table] = []
+
+    def close(self, run_row: Mapping, *, config: Mapping) -> Path:
+        """Flush the rest, then write run.parquet (run_metrics' row, the config as JSON): its presence marks a run
+        that finished."""
+        schema = run_schema(run_row)
+        row = {**run_row, "config_json": json.dumps(dict(config), sort_keys=True)}
+        _check_columns(row, schema, "run row")
+        self.flush()
+        path = self.run_dir / RUN_FILE
+        write_parquet(table=_table([{**row, "run_id": self.run_id}], schema), path=path)
+        self.closed = True
+        return path
+
+    def __enter__(self) -> ServeRunWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        # Whatever ended the block, the finished rows are kept; only close() writes a run row.
+        if not self.closed:
+            self.flush()
+
+
+def _parts(run_dir: Path, table: str) -> list[Path]:
+    """A table's part files in part order; hidden files (the atomic writer's temps) never match."""
+    pattern = re.compile(rf"{table}-(\d+)\.parquet")
+    numbered = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := pattern.fullmatch(p.name))]
+    return [path for _, path in sorted(numbered)]
+
+
+def _frame(tables: list[pa.Table], schema: pa.Schema) -> pd.DataFrame:
+    table = pa.concat_tables(tables) if tables else schema.empty_table()
+    frame = table.to_pandas(types_mapper={I64: pd.Int64Dtype()}.get)  # Int64: nullable ints stay ints
+    if "itl_ms" in frame:  # Arrow hands lists back as numpy arrays; plain lists compare with ==
+        frame["itl_ms"] = pd.Series([[float(x) for x in v] for v in frame["itl_ms"]], index=frame.index, dtype=object)
+    return frame
+
+
+def load_run(run_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict | None]:
+    """(requests, iterations, run row): the parts concatenated in order; run row None for a run that never closed."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir}: no serving run folder")
+    frames = []
+    for table in TABLES:
+        parts = []
+        for path in _parts(run_dir, table):
+            try:
+                parts.append(pq.read_table(path).cast(SCHEMAS[table]))
+            except (pa.ArrowInvalid, OSError, ValueError) as exc:
+                raise ValueError(f"{path}: not a {table} part: {exc}") from None
+        frames.append(_frame(parts, SCHEMAS[table]))
+    run_path = run_dir / RUN_FILE
+    run_row = pq.read_table(run_path).to_pylist()[0] if run_path.exists() else None
+    return frames[0], frames[1], run_row
