@@ -318,28 +318,29 @@ def limit_memory(cfg: RunConfig, parent_pid: int | None = None) -> str | None:
 
 
 def job_cap_bytes(parent_pid: int | None) -> tuple[int, str] | None:
-    """(bytes, why): the private memory this worker may hold within its SLURM job's memory, which SLURM checks
-    against the summed RSS of the job's processes. That is the job's memory less the resident memory of the job
-    process that started this worker (parent_pid) and this worker's own file-backed resident pages (torch's shared
-    libraries, which RSS counts and RLIMIT_DATA does not). None outside a SLURM job with a memory request.
+    """(RLIMIT_DATA bytes, why): what this worker may still grow by within its SLURM job's memory, added to the
+    private data it holds now. SLURM checks the job's memory against the summed RSS of its processes, so the room
+    left is the job's memory less the resident memory of the job process that started this worker (parent_pid) and
+    of this worker (its shared libraries included). RLIMIT_DATA counts virtual private data, which already exceeds
+    the resident part (thread stacks, malloc arenas reserved), so the limit is the data held now plus that room: new
+    tensors are written, hence resident, as they grow. None outside a SLURM job with a memory request.
 
-    Raises MemoryError when that leaves less than the worker's data already holds plus WORKER_HEADROOM_BYTES: under
-    such a cap nothing could run, not even the reply saying so."""
+    Raises MemoryError when the room is under WORKER_HEADROOM_BYTES: under such a cap nothing could run, not even
+    the reply saying so."""
     job_bytes = slurm.job_memory_bytes()
     if job_bytes is None:
         return None
     parent_bytes = _status_bytes(parent_pid, "VmRSS") if parent_pid is not None else 0
-    files_bytes = _status_bytes("self", "RssFile")
-    cap = max(0, job_bytes - parent_bytes - files_bytes)
+    own_bytes = _status_bytes("self", "VmRSS")
+    room_bytes = job_bytes - parent_bytes - own_bytes
     why = (
-        f"worker capped at {cap / 2**30:.2f} GiB: SLURM job {slurm.job_id()}'s {job_bytes / 2**30:.2f} GiB "
-        f"(hydra.launcher.mem_gb) less its job process's {parent_bytes / 2**30:.2f} GiB and the worker's "
-        f"{files_bytes / 2**30:.2f} GiB of shared libraries"
+        f"worker capped at {max(0, room_bytes) / 2**30:.2f} GiB more than it held: SLURM job {slurm.job_id()}'s "
+        f"{job_bytes / 2**30:.2f} GiB (hydra.launcher.mem_gb) less its job process's {parent_bytes / 2**30:.2f} GiB "
+        f"and the worker's own {own_bytes / 2**30:.2f} GiB"
     )
-    held_bytes = _status_bytes("self", "VmData")
-    if cap < held_bytes + WORKER_HEADROOM_BYTES:
-        raise MemoryError(f"{why}, less than the {held_bytes / 2**30:.2f} GiB the worker holds before any model")
-    return cap, why
+    if room_bytes < WORKER_HEADROOM_BYTES:
+        raise MemoryError(f"{why}: no room left before any model")
+    return _status_bytes("self", "VmData") + room_bytes, why
 
 
 def _status_bytes(pid: int | str, field: str) -> int:
