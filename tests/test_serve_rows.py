@@ -19,6 +19,13 @@ from harness.serve.rows import ServeRunWriter, iteration_row, load_run, serve_ru
 from harness.serve.scheduler import Scheduler, SchedulerConfig, simulate
 
 CONFIG = {"strategy": "paged", "qps": 4.0, "kv_memory_gb": 0.5}
+# The run row's context columns (rows.RUN_CONTEXT), as the engine fills them.
+CONTEXT = {
+    "engine": "kvbench", "strategy": "paged", "kv_dtype": "fp32", "model": "tiny", "device": "cpu",
+    "qps": float("inf"), "num_blocks": 64, "block_size": 16, "kv_budget_bytes": 2**20, "num_iterations": 9,
+    "predicted_max_running": None, "mean_kv_utilization": 0.25, "peak_kv_utilization": 0.5, "mean_step_ms": 3.0,
+    "mean_scheduler_ms": 0.1,
+}  # fmt: skip
 
 
 def records(count: int = 3) -> list[RequestRecord]:
@@ -70,7 +77,7 @@ def test_rows_round_trip_with_their_values_and_types(run_dir):
     requests = [request_row(record) for record in records()]
     iterations = simulated_iterations()
     assert any(row["kv_used_blocks"] for row in iterations) and len(iterations) > 3
-    run_row = run_metrics(records(), duration_s=1.0, ttft_slo_ms=200)
+    run_row = {**run_metrics(records(), duration_s=1.0, ttft_slo_ms=200), **CONTEXT}
     # flush_every=1: r0's part alone has tpot_ms all null, which only an explicit schema keeps float64.
     with ServeRunWriter(run_dir, flush_every=1) as writer:
         for row in requests:
@@ -139,7 +146,7 @@ def test_an_unknown_column_is_named(run_dir):
     with pytest.raises(ValueError, match="missing column 'kv_free_blocks'"):
         writer.add_iteration(row)
     with pytest.raises(ValueError, match="unknown column 'throughput'"):
-        writer.close({**run_metrics(records(), duration_s=1.0), "throughput": 1.0}, config=CONFIG)
+        writer.close({**run_metrics(records(), duration_s=1.0), **CONTEXT, "throughput": 1.0}, config=CONFIG)
 
 
 def simulate_one_output():

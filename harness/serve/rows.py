@@ -57,6 +57,7 @@ REQUEST_SCHEMA = pa.schema(  # metrics.request_row's keys, plus run_id
 )
 ITERATION_SCHEMA = pa.schema(  # iteration_row's keys, plus run_id
     [_required("run_id", STR), _required("iteration", I64), _required("time_s", F64), _required("step_ms", F64)]
+    + [_required("scheduler_ms", F64)]  # host time of schedule() and update(), beside the forward's step_ms
     + [
         _required(name, I64)
         for name in (
@@ -83,6 +84,20 @@ RUN_FIELDS += [_required(name, F64) for name in ("output_throughput", "total_tok
 RUN_FIELDS += [pa.field(f"{s}_{m}_ms", F64) for m in LATENCY_METRICS for s in ("mean", "median", "std")]
 RUN_FIELDS += [_required("max_concurrent_requests", I64), _required("total_preemptions", I64)]
 RUN_FIELDS += [_required("prefix_hit_rate", F64)]
+# What the run was, so that runs compare without parsing config_json: the engine ("kvbench", or the peer
+# "transformers"), the KV strategy and format, the arrival rate (inf: all at once), the pool it had, the planner's
+# prediction for that pool (null: no prediction, e.g. the peer), and the engine's own per-iteration figures.
+RUN_FIELDS += [_required(name, STR) for name in ("engine", "strategy", "kv_dtype", "model", "device")]
+RUN_FIELDS += [_required("qps", F64)]  # requests/s; inf: every request at t = 0
+RUN_FIELDS += [_required(name, I64) for name in ("num_blocks", "block_size", "kv_budget_bytes", "num_iterations")]
+RUN_FIELDS += [pa.field("predicted_max_running", I64)]  # harness.serve.capacity.predict_concurrency
+RUN_FIELDS += [pa.field(name, F64) for name in ("mean_kv_utilization", "peak_kv_utilization")]  # used / all blocks
+RUN_FIELDS += [pa.field(name, F64) for name in ("mean_step_ms", "mean_scheduler_ms")]  # per iteration, host clock
+RUN_CONTEXT = (
+    "engine", "strategy", "kv_dtype", "model", "device", "qps", "num_blocks", "block_size", "kv_budget_bytes",
+    "num_iterations", "predicted_max_running", "mean_kv_utilization", "peak_kv_utilization", "mean_step_ms",
+    "mean_scheduler_ms",
+)  # fmt: skip
 SCHEMAS = {"requests": REQUEST_SCHEMA, "iterations": ITERATION_SCHEMA}
 
 
@@ -93,13 +108,15 @@ def serve_run_dir(results_dir: str | Path, run_id: str) -> Path:
     return Path(results_dir) / SERVE_DIR / run_id
 
 
-def iteration_row(index: int, output: SchedulerOutput, step_s: float) -> dict:
+def iteration_row(index: int, output: SchedulerOutput, step_s: float, *, scheduler_s: float = 0.0) -> dict:
     """One scheduler iteration's row: time_s is when it was scheduled (the engine's clock, seconds), step_ms how
-    long its forward took; the KV figures are the pool after this iteration's allocation."""
+    long its forward took, scheduler_ms the host time of its schedule() and update(); the KV figures are the pool
+    after this iteration's allocation."""
     return {
         "iteration": index,
         "time_s": output.now_s,
         "step_ms": step_s * 1000.0,
+        "scheduler_ms": scheduler_s * 1000.0,
         "num_running": output.num_running,
         "num_waiting": output.num_waiting,
         "num_prefill_tokens": output.num_prefill_tokens,
