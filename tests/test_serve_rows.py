@@ -21,7 +21,7 @@ from harness.serve.scheduler import Scheduler, SchedulerConfig, simulate
 CONFIG = {"strategy": "paged", "qps": 4.0, "kv_memory_gb": 0.5}
 # The run row's context columns (rows.RUN_CONTEXT), as the engine fills them.
 CONTEXT = {
-    "engine": "kvbench", "strategy": "paged", "kv_dtype": "fp32", "model": "tiny", "device": "cpu",
+    "sweep_id": "20261201-120000", "engine": "kvbench", "strategy": "paged", "kv_dtype": "fp32", "model": "tiny", "device": "cpu",
     "qps": float("inf"), "num_blocks": 64, "block_size": 16, "kv_budget_bytes": 2**20, "num_iterations": 9,
     "predicted_max_running": None, "mean_kv_utilization": 0.25, "peak_kv_utilization": 0.5, "mean_step_ms": 3.0,
     "mean_scheduler_ms": 0.1,

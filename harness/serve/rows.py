@@ -84,17 +84,18 @@ RUN_FIELDS += [_required(name, F64) for name in ("output_throughput", "total_tok
 RUN_FIELDS += [pa.field(f"{s}_{m}_ms", F64) for m in LATENCY_METRICS for s in ("mean", "median", "std")]
 RUN_FIELDS += [_required("max_concurrent_requests", I64), _required("total_preemptions", I64)]
 RUN_FIELDS += [_required("prefix_hit_rate", F64)]
-# What the run was, so that runs compare without parsing config_json: the engine ("kvbench", or the peer
+# What the run was, so that runs compare without parsing config_json: the sweep it belongs to (the runs of one
+# `-m` sweep, e.g. experiment=serve-qps, share it; a single run is its own), the engine ("kvbench", or the peer
 # "transformers"), the KV strategy and format, the arrival rate (inf: all at once), the pool it had, the planner's
 # prediction for that pool (null: no prediction, e.g. the peer), and the engine's own per-iteration figures.
-RUN_FIELDS += [_required(name, STR) for name in ("engine", "strategy", "kv_dtype", "model", "device")]
+RUN_FIELDS += [_required(name, STR) for name in ("sweep_id", "engine", "strategy", "kv_dtype", "model", "device")]
 RUN_FIELDS += [_required("qps", F64)]  # requests/s; inf: every request at t = 0
 RUN_FIELDS += [_required(name, I64) for name in ("num_blocks", "block_size", "kv_budget_bytes", "num_iterations")]
 RUN_FIELDS += [pa.field("predicted_max_running", I64)]  # harness.serve.capacity.predict_concurrency
 RUN_FIELDS += [pa.field(name, F64) for name in ("mean_kv_utilization", "peak_kv_utilization")]  # used / all blocks
 RUN_FIELDS += [pa.field(name, F64) for name in ("mean_step_ms", "mean_scheduler_ms")]  # per iteration, host clock
 RUN_CONTEXT = (
-    "engine", "strategy", "kv_dtype", "model", "device", "qps", "num_blocks", "block_size", "kv_budget_bytes",
+    "sweep_id", "engine", "strategy", "kv_dtype", "model", "device", "qps", "num_blocks", "block_size", "kv_budget_bytes",
     "num_iterations", "predicted_max_running", "mean_kv_utilization", "peak_kv_utilization", "mean_step_ms",
     "mean_scheduler_ms",
 )  # fmt: skip
