@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from harness.kv import varlen
 from harness.kv.base import KVCache
 from harness.model_args import ModelArgs
 
@@ -167,11 +168,17 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
         self.n_positions = n_positions
 
-    def forward(self, tokens: torch.Tensor, start_pos: int, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, start_pos: int | varlen.SeqBatch, cache: KVCache, last_only: bool = False
+    ) -> torch.Tensor:
         """tokens [B, T] at positions start_pos..start_pos+T-1 -> logits [B, T, V], or [B, 1, V] if last_only.
 
         `last_only` skips the vocabulary matmul for all but the last prompt token in prefill: only it is sampled.
+        start_pos a harness.kv.varlen.SeqBatch: tokens [1, N] of sequences at their own positions, flattened ->
+        [1, N, V], or [1, n, V] if last_only (each sequence's last token, in the batch's order).
         """
+        if isinstance(start_pos, varlen.SeqBatch):
+            return self._forward_varlen(tokens, start_pos, cache, last_only)
         n_new = tokens.shape[1]
         assert start_pos + n_new <= self.n_positions, (
             f"positions up to {start_pos + n_new} asked, RoPE tables hold {self.n_positions}: call setup_rope"
@@ -185,6 +192,23 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]  # [B, 1, dim]
         return self.output(self.norm(x))  # [B, T or 1, V]
+
+    def _forward_varlen(
+        self, tokens: torch.Tensor, batch: varlen.SeqBatch, cache: KVCache, last_only: bool
+    ) -> torch.Tensor:
+        assert tokens.shape == (1, batch.n_tokens), f"tokens {tuple(tokens.shape)} for a batch of {batch.n_tokens}"
+        assert max(batch.ends) <= self.n_positions, (
+            f"positions up to {max(batch.ends)} asked, RoPE tables hold {self.n_positions}: call setup_rope"
+        )
+        positions, last_rows = varlen.to_device([batch.positions, batch.last_rows], self.rope_cos.device)
+        cache.prepare(batch)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [N, D]: each token at its own position
+        x = self.tok_embeddings(tokens)  # [1, N, dim]
+        for layer in self.layers:
+            x = layer(x, cos=cos, sin=sin, start_pos=batch, cache=cache)
+        if last_only:
+            x = x[:, last_rows]  # [1, n, dim]
+        return self.output(self.norm(x))
 
 
 @torch.no_grad()

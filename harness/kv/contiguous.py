@@ -24,8 +24,9 @@ from typing import ClassVar
 import torch
 
 from harness.errors import Unsupported
+from harness.kv import varlen
 from harness.kv.base import CacheSpec, Layout, attention, blocks_for, grouped_attention
-from harness.kv.quant import FP8, storage_format
+from harness.kv.quant import FP8, TokenFormat, storage_format
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class ContiguousCache:
         self.fused_dequant = self._kernel_reads(spec)  # int8/fp8 on CUDA: decode reads the codes in place
         self.attn_backend = "triton-dequant" if self.fused_dequant else "sdpa"
         self._lens: tuple[int, torch.Tensor] | None = None  # (tokens, [B] int32 on the device), one per step
+        self._varlen: varlen.VarlenRows | None = None  # the current SeqBatch's addresses (prepare)
         # The kernel's block table: sequence b is block b, of S_max tokens.
         self._one_block_table = torch.arange(spec.batch_size, device=spec.device)[:, None]  # [B, 1]
         # Set by enable_static_decode: [S_max] positions for the length mask; the kernel's split count.
@@ -101,16 +103,50 @@ class ContiguousCache:
         extra = [self._one_block_table] if self.fused_dequant else [self._positions]
         return [self.k, self.v, *self.scales.values(), *extra]
 
-    def prepare(self, start_pos: int, n_new: int) -> None:
+    def prepare(self, start_pos: int | varlen.SeqBatch, n_new: int | None = None) -> None:
+        if isinstance(start_pos, varlen.SeqBatch):
+            self._varlen = self._varlen_rows(start_pos)
+            return
         if start_pos + n_new > self.spec.max_tokens:
             raise ValueError(f"contiguous cache holds {self.spec.max_tokens} tokens, asked for {start_pos + n_new}")
         self.n_tokens = start_pos + n_new
 
+    def _varlen_rows(self, batch: varlen.SeqBatch) -> varlen.VarlenRows:
+        """Per-sequence lengths (harness.kv.varlen): sequence i lives in row batch.slots[i] of every buffer, its
+        token at position p in column p."""
+        if not isinstance(self.format, TokenFormat):
+            raise Unsupported(
+                f"per-sequence lengths: {self.spec.kv_dtype} groups tokens across positions; allowed: "
+                "plain, fp8 and int8 formats"
+            )
+        longest = max(batch.ends)
+        if longest > self.spec.max_tokens or max(batch.slots) >= self.spec.batch_size:
+            raise ValueError(
+                f"contiguous cache holds {self.spec.batch_size} slots of {self.spec.max_tokens} tokens, "
+                f"asked for slot {max(batch.slots)} at {longest} tokens"
+            )
+        slots = [slot for slot, n in zip(batch.slots, batch.n_new, strict=True) for _ in range(n)]
+        indices = {"decode": [[batch.slots[i]] for i in batch.decode_seqs]}
+        indices |= {i: [[batch.slots[i]]] for i in batch.prefill_seqs}
+        return varlen.VarlenRows(self, batch, row_index=slots, col_index=batch.positions, indices=indices)
+
+    def gather_index(self, index: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """index [b, 1] slots -> (slot, position) of each sequence's first n positions, [b, n] each."""
+        positions = torch.arange(n, device=index.device)[None, :]  # [1, n]
+        return index.expand(-1, n), positions.expand(index.shape[0], -1)
+
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int | torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start_pos: int | torch.Tensor | varlen.SeqBatch,
     ) -> torch.Tensor:
         if isinstance(start_pos, torch.Tensor):  # a decode step at static shapes: the position [1] on the device
             return self._attend_static(layer, q, k, v, start_pos)
+        if isinstance(start_pos, varlen.SeqBatch):  # sequences at their own positions, flattened
+            return varlen.attend(self, layer, q, k, v, start_pos, self._varlen)
         self._write(layer, k, v, start_pos)
         if q.shape[2] == 1 and self.fused_dequant:
             n_tokens = start_pos + 1

@@ -13,6 +13,7 @@ import torch
 
 from harness.errors import ConfigError, Unsupported
 from harness.formats import QUANTIZED
+from harness.kv import varlen
 from harness.kv.base import CacheSpec, KVAllocation, Layout, attention
 
 
@@ -32,7 +33,11 @@ class NoCache:
             raise Unsupported(f"none keeps no K/V between steps, so there is nothing to store as {spec.kv_dtype}")
         self.spec = spec
 
-    def prepare(self, start_pos: int, n_new: int) -> None:
+    def prepare(self, start_pos: int, n_new: int | None = None) -> None:
+        if isinstance(start_pos, varlen.SeqBatch):  # serving
+            raise Unsupported(
+                "per-sequence lengths: none does not take them (it recomputes the whole sequence every step); allowed: contiguous, paged, prefix"
+            )
         assert start_pos == 0, "without a cache every forward starts from position 0"
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 from harness.errors import ConfigError, Unsupported
 from harness.formats import BITS, DTYPE_BYTES, QUANTIZED
 from harness.formats import PLAIN as PLAIN_NAMES
-from harness.kv import host
+from harness.kv import host, varlen
 from harness.kv.base import CacheSpec, KVAllocation, Layout, attention
 
 
@@ -108,7 +108,11 @@ class OffloadCache:
         self.slot_layer = [-1, -1]  # which layer each staging slot holds: bookkeeping the tests check
         self.n_tokens = 0
 
-    def prepare(self, start_pos: int, n_new: int) -> None:
+    def prepare(self, start_pos: int, n_new: int | None = None) -> None:
+        if isinstance(start_pos, varlen.SeqBatch):  # serving
+            raise Unsupported(
+                "per-sequence lengths: offload does not take them (its two device slots stream one static batch's layers); allowed: contiguous, paged, prefix"
+            )
         if start_pos + n_new > self.spec.max_tokens:
             raise ValueError(f"offload cache holds {self.spec.max_tokens} tokens, asked for {start_pos + n_new}")
         self.n_tokens = start_pos + n_new

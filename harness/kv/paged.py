@@ -35,7 +35,7 @@ import torch
 from harness.errors import ConfigError, KVPoolExhausted, Unsupported
 from harness.formats import BITS, DTYPE_BYTES, SCALE_BYTES
 from harness.formats import PLAIN as PLAIN_NAMES
-from harness.kv import host
+from harness.kv import host, varlen
 from harness.kv.base import (
     CacheSpec,
     KVAllocation,
@@ -48,7 +48,7 @@ from harness.kv.base import (
     int4_tail_bytes,
     scale_parts,
 )
-from harness.kv.quant import FP8, storage_format
+from harness.kv.quant import FP8, TokenFormat, storage_format
 
 log = logging.getLogger(__name__)
 FLASHINFER_DTYPES = ("fp16", "bf16")  # what its paged decode reads here; fp8 would need its own scale layout
@@ -146,6 +146,7 @@ class PagedCache:
         self.n_tokens = 0  # tokens present per sequence (all sequences of a batch move in step)
         self.attn_backend = decode_backend(spec)
         self._lens: tuple[tuple[int, int], torch.Tensor] | None = None  # (batch, tokens) -> [B] int32 on the device
+        self._varlen: varlen.VarlenRows | None = None  # the current SeqBatch's addresses (prepare)
         self._flashinfer = None  # its decode wrapper, made at the first decode step
         self._flashinfer_plan: tuple[int, int] | None = None  # (batch, tokens) the wrapper is planned for
         # Set by enable_static_decode: [max_blocks * bs] positions for the length mask; the kernel's split count.
@@ -193,13 +194,52 @@ class PagedCache:
             blocks.append(self.free_blocks.pop())
         return grown
 
-    def prepare(self, start_pos: int, n_new: int) -> None:
+    def prepare(self, start_pos: int | varlen.SeqBatch, n_new: int | None = None) -> None:
+        if isinstance(start_pos, varlen.SeqBatch):
+            self._varlen = self._varlen_rows(start_pos)
+            return
         end = start_pos + n_new
         grown = [self.ensure_blocks(seq, end) for seq in range(self.spec.batch_size)]  # every sequence, no short cut
         if any(grown):  # one small host-to-device copy every block_size steps, not every step
             need = blocks_for(end, self.block_size)
             self._sync_table(need)
         self.n_tokens = end
+
+    def _varlen_rows(self, batch: varlen.SeqBatch) -> varlen.VarlenRows:
+        """Per-sequence lengths (harness.kv.varlen) through the block tables the batch brings (a serving engine's
+        scheduler owns them, as vLLM's does; this cache's own tables stay unused): position p of sequence i is in
+        block table_i[p // bs], slot p % bs. A block slid out of a window (None) is read as block 0, masked."""
+        if not isinstance(self.format, TokenFormat):
+            raise Unsupported(
+                f"per-sequence lengths: {self.spec.kv_dtype} groups tokens across positions; allowed: "
+                "plain, fp8 and int8 formats"
+            )
+        if len(batch.block_tables) != len(batch):
+            raise ValueError("paged cache: a SeqBatch must bring one block table per sequence")
+        bs = self.block_size
+        row_index, col_index = [], []
+        for table, start, end in zip(batch.block_tables, batch.start_pos, batch.ends, strict=True):
+            if len(table) < blocks_for(end, bs) or any(table[p // bs] is None for p in range(start, end)):
+                raise ValueError(
+                    f"paged cache: a block table of {len(table)} blocks cannot hold positions {start}..{end - 1}"
+                )
+            row_index += [table[p // bs] for p in range(start, end)]
+            col_index += [p % bs for p in range(start, end)]
+
+        def padded(seqs: list[int]) -> list[list[int]]:
+            width = max(blocks_for(batch.ends[i], bs) for i in seqs)
+            tables = [[0 if b is None else b for b in batch.block_tables[i][:width]] for i in seqs]
+            return [table + [0] * (width - len(table)) for table in tables]
+
+        indices = {"decode": padded(batch.decode_seqs)} if batch.decode_seqs else {"decode": []}
+        indices |= {i: padded([i]) for i in batch.prefill_seqs}
+        return varlen.VarlenRows(self, batch, row_index=row_index, col_index=col_index, indices=indices)
+
+    def gather_index(self, index: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """index [b, nb] blocks -> (block, slot) of each sequence's first n positions, [b, n] each."""
+        positions = torch.arange(n, device=index.device)  # [n]
+        blocks = index[:, positions // self.block_size]  # [b, n]
+        return blocks, (positions % self.block_size).expand_as(blocks)
 
     def _sync_table(self, need: int) -> None:
         """The host tables' first `need` blocks -> the device table (every sequence holds at least that many)."""
@@ -209,10 +249,17 @@ class PagedCache:
         self.table[:, :need].copy_(rows, non_blocking=True)
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int | torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start_pos: int | torch.Tensor | varlen.SeqBatch,
     ) -> torch.Tensor:
         if isinstance(start_pos, torch.Tensor):  # a decode step at static shapes: the position [1] on the device
             return self._attend_static(layer, q, k, v, start_pos)
+        if isinstance(start_pos, varlen.SeqBatch):  # sequences at their own positions, flattened
+            return varlen.attend(self, layer, q, k, v, start_pos, self._varlen)
         self._write(layer, k, v, start_pos)
         in_place = self.attn_backend in ("flashinfer", "triton-paged")
         if q.shape[2] == 1 and in_place:  # a decode step: read the blocks in place

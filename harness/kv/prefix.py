@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from harness.errors import ConfigError, Unsupported
+from harness.kv import varlen
 from harness.kv.base import CacheSpec, Layout, blocks_for
 from harness.kv.paged import Options, PagedCache, PagedLayout
 
@@ -146,7 +147,10 @@ class PrefixCache(PagedCache):
         finally:
             self.tables, self.table = tables, table
 
-    def prepare(self, start_pos: int, n_new: int) -> None:
+    def prepare(self, start_pos: int | varlen.SeqBatch, n_new: int | None = None) -> None:
+        if isinstance(start_pos, varlen.SeqBatch):  # a serving engine's tables: prefix sharing is its scheduler's
+            super().prepare(start_pos)
+            return
         grown = [self.ensure_blocks(seq, start_pos + n_new) for seq in range(len(self.tables))]
         if any(grown):
             self._sync_table(len(self.tables[0]))  # all sequences hold the same number of blocks

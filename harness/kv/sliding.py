@@ -29,9 +29,10 @@ from typing import ClassVar
 
 import torch
 
-from harness.errors import ConfigError
+from harness.errors import ConfigError, Unsupported
 from harness.formats import BITS, DTYPE_BYTES, QUANTIZED, SCALE_BYTES
 from harness.formats import PLAIN as PLAIN_NAMES
+from harness.kv import varlen
 from harness.kv.base import CacheSpec, KVAllocation, Layout, attention, codec_transients, grouped_attention
 from harness.kv.quant import token_codec
 
@@ -93,7 +94,11 @@ class SlidingCache:
         """`_slot` of one position, on the host: a decode step's write needs no index tensor."""
         return pos if pos < self.sinks else self.sinks + (pos - self.sinks) % self.ring
 
-    def prepare(self, start_pos: int, n_new: int) -> None:
+    def prepare(self, start_pos: int, n_new: int | None = None) -> None:
+        if isinstance(start_pos, varlen.SeqBatch):  # serving
+            raise Unsupported(
+                "per-sequence lengths: sliding does not take them (a ring per sequence; serving's sliding window runs on the paged pool (cache=paged with a window)); allowed: contiguous, paged, prefix"
+            )
         end = start_pos + n_new
         if end > self.spec.max_tokens:
             raise ValueError(f"sliding cache sized for {self.spec.max_tokens} tokens, asked for {end}")
