@@ -1,0 +1,225 @@
+"""The serving engine: the scheduler's iterations executed on the real model, one flattened forward each.
+
+Orca's iteration-level scheduling (Yu et al. OSDI 2022) over vLLM's paged pool (Kwon et al. 2023): every iteration
+`Scheduler.schedule` says which requests compute which tokens (decodes and prefill chunks together, under
+max_num_batched_tokens) and where their K/V go (block tables); `Engine.execute` runs that as one forward of
+harness.model over a harness.kv.varlen.SeqBatch, samples greedily the requests that reached their last known token,
+and `Scheduler.update` advances them, finishing those at output_len and returning their blocks.
+
+The KV tensors are a harness.kv strategy's storage: `contiguous` (a slot of max_model_len tokens per running
+request, the engine choosing the slot) or a `paged` pool whose block tables come from the scheduler's KV manager
+(harness.serve.kv_manager), which also decides prefix sharing (`prefix`) and what a window frees (`sliding`, read
+under the window's mask). Preemption by recompute needs nothing here: the request's blocks are gone, and it
+re-prefills its prompt and outputs. Swap copies a victim's blocks to host memory before the forward that reuses
+them, and back into its new blocks when it is readmitted (vLLM v0's swap_out / swap_in).
+
+`serve` is the loop on the wall clock: requests join when the clock passes their arrival_s, an idle engine sleeps
+until the next arrival, and every iteration's host times are taken apart: `scheduler_s` (schedule and update) and
+`step_s` (building the batch, the forward, sampling; one host sync, reading the sampled ids back).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from harness import kv
+from harness.errors import ConfigError
+from harness.kv.base import CacheSpec
+from harness.kv.varlen import SeqBatch
+from harness.serve.metrics import RequestRecord
+from harness.serve.requests import Request
+from harness.serve.scheduler import Scheduler, SchedulerOutput
+
+SERVE_STRATEGIES = ("contiguous", "paged", "prefix", "sliding")  # harness.serve.kv_manager.STRATEGIES
+SERVE_KV_DTYPES = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8")  # per-token formats (not int4)
+
+
+def build_cache(
+    strategy: str,
+    args,
+    *,
+    kv_dtype: str,
+    num_blocks: int,
+    block_size: int,
+    max_model_len: int,
+    device: torch.device,
+    dtype: str | None = None,
+):
+    """The KV tensors of a serving pool of num_blocks blocks of block_size tokens, at kv_dtype. (cache, num_slots):
+    contiguous cuts the same tokens into num_slots = num_blocks·block_size // max_model_len slots of max_model_len
+    (None for a paged pool). args: the model's harness.model_args.ModelArgs."""
+    if strategy not in SERVE_STRATEGIES:
+        raise ConfigError(f"strategy: must be one of {', '.join(SERVE_STRATEGIES)}, got {strategy!r}")
+    if kv_dtype not in SERVE_KV_DTYPES:
+        raise ConfigError(f"kv_dtype: serving stores per-token formats; allowed: {', '.join(SERVE_KV_DTYPES)}, "
+                          f"got {kv_dtype!r}")  # fmt: skip
+    if strategy == "contiguous":
+        num_slots = num_blocks * block_size // max_model_len
+        if num_slots < 1:
+            raise ConfigError(f"kv budget: {num_blocks * block_size} tokens hold no slot of max_model_len="
+                              f"{max_model_len} tokens")  # fmt: skip
+        spec = CacheSpec.for_model(args, batch_size=num_slots, max_tokens=max_model_len, kv_dtype=kv_dtype,
+                                   device=device, dtype=dtype)  # fmt: skip
+        return kv.build("contiguous", spec, {}), num_slots
+    # One pool for paged, prefix and sliding: sharing and what the window frees are the scheduler's tables.
+    spec = CacheSpec.for_model(args, batch_size=1, max_tokens=block_size, kv_dtype=kv_dtype, device=device,
+                               dtype=dtype)  # fmt: skip
+    return kv.build("paged", spec, {"block_size": block_size, "pool_tokens": num_blocks * block_size}), None
+
+
+class Engine:
+    """Executes SchedulerOutputs on `model` over `cache` (a harness.kv strategy built for serving, `build_cache`)."""
+
+    def __init__(self, model: torch.nn.Module, cache, *, num_slots: int | None = None, window: int | None = None):
+        self.model, self.cache, self.window = model, cache, window
+        self.device = next(model.parameters()).device
+        self.paged = num_slots is None  # else a slot per running request (contiguous)
+        self.free_slots = list(range(num_slots or 0))[::-1]  # a stack: slot 0 first
+        self.slot_of: dict[int, int] = {}
+        self.token_ids: dict[int, list[int]] = {}  # request id -> prompt ids + outputs sampled so far
+        self.prompt_len: dict[int, int] = {}
+        self.tables: dict[int, tuple[int | None, ...]] = {}  # request id -> its block table at its last iteration
+        self.swapped: dict[int, dict[str, torch.Tensor]] = {}  # request id -> its blocks' rows, on the host
+
+    def add_request(self, request: Request, prompt_ids: Sequence[int]) -> None:
+        if len(prompt_ids) != request.prompt_len:
+            raise ValueError(f"request {request.request_id}: {len(prompt_ids)} prompt ids for prompt_len "
+                             f"{request.prompt_len}")  # fmt: skip
+        self.token_ids[request.request_id] = list(prompt_ids)
+        self.prompt_len[request.request_id] = request.prompt_len
+
+    def outputs(self, request_id: int) -> list[int]:
+        """The tokens sampled for a request so far."""
+        return self.token_ids[request_id][self.prompt_len[request_id] :]
+
+    def finish(self, request_id: int) -> list[int]:
+        """A finished request leaves: its slot back, its state dropped; returns its output tokens."""
+        out = self.outputs(request_id)
+        self._drop(request_id)
+        del self.token_ids[request_id], self.prompt_len[request_id]
+        return out
+
+    def _drop(self, request_id: int) -> None:
+        if request_id in self.slot_of:
+            self.free_slots.append(self.slot_of.pop(request_id))
+        self.tables.pop(request_id, None)
+
+    def _slot(self, request_id: int) -> int:
+        if self.paged:
+            return 0
+        if request_id not in self.slot_of:
+            self.slot_of[request_id] = self.free_slots.pop()  # the scheduler admitted it: a slot is free
+        return self.slot_of[request_id]
+
+    def _rows(self) -> dict[str, torch.Tensor]:
+        return self.cache.rows  # part name -> [L, N, H_kv, bs, width] (paged)
+
+    def _swap(self, output: SchedulerOutput) -> None:
+        """vLLM v0's swap: the victims' blocks to the host before this forward reuses them; readmitted requests'
+        rows back into the blocks their new tables name. Blocks, not slots: contiguous is never preempted."""
+        for rid in output.swapped_out_ids:
+            blocks = [b for b in self.tables.pop(rid, ()) if b is not None]
+            index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+            self.swapped[rid] = {name: part[:, index].to("cpu") for name, part in self._rows().items()}
+        swapped_in = set(output.swapped_in_ids)
+        for entry in output.scheduled:
+            if entry.request_id in swapped_in:
+                saved = self.swapped.pop(entry.request_id)
+                n_blocks = next(iter(saved.values())).shape[1]
+                blocks = [b for b in entry.block_ids if b is not None][:n_blocks]
+                index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+                for name, part in self._rows().items():
+                    part[:, index] = saved[name].to(self.device)
+
+    def execute(self, output: SchedulerOutput) -> None:
+        """Run one iteration's forward; append the sampled token of each request whose chunk reached its end."""
+        for rid in output.preempted_ids:
+            if rid not in output.swapped_out_ids:
+                self._drop(rid)
+        if output.swapped_out_ids or output.swapped_in_ids:
+            self._swap(output)
+        entries = output.scheduled
+        ids: list[int] = []
+        for entry in entries:
+            start = entry.num_computed_tokens
+            ids += self.token_ids[entry.request_id][start : start + entry.num_new_tokens]
+            self.tables[entry.request_id] = entry.block_ids
+        batch = SeqBatch(
+            slots=tuple(self._slot(entry.request_id) for entry in entries),
+            start_pos=tuple(entry.num_computed_tokens for entry in entries),
+            n_new=tuple(entry.num_new_tokens for entry in entries),
+            block_tables=tuple(entry.block_ids for entry in entries) if self.paged else (),
+            window=self.window,
+        )
+        tokens = torch.tensor([ids], dtype=torch.long).to(self.device, non_blocking=True)  # [1, N]
+        with torch.inference_mode():
+            logits = self.model(tokens, batch, self.cache, last_only=True)  # [1, n, V]
+        sampled = logits[0].argmax(dim=-1).tolist()  # greedy; the iteration's one host sync
+        for entry, token in zip(entries, sampled, strict=True):
+            if entry.samples_token:
+                self.token_ids[entry.request_id].append(token)
+
+
+@dataclass
+class ServeResult:
+    records: list[RequestRecord]  # in finishing order
+    outputs: dict[int, list[int]]  # request id -> its output tokens
+    duration_s: float  # the run's wall time: its start to the last request's finish
+    num_iterations: int
+
+
+def serve(
+    requests: Sequence[Request],
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    scheduler: Scheduler,
+    engine: Engine,
+    on_iteration: Callable[[int, SchedulerOutput, float, float], None] | None = None,
+    on_finish: Callable[[RequestRecord], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> ServeResult:
+    """Serve `requests` (prompt_ids[i] for requests[i]) on the wall clock until every one has finished.
+
+    on_iteration(index, output, step_s, scheduler_s) after each iteration, on_finish(record) as each request ends:
+    a run's rows are written as it goes (harness.serve.rows.ServeRunWriter), so a run killed midway keeps them.
+    """
+    by_id = {request.request_id: ids for request, ids in zip(requests, prompt_ids, strict=True)}
+    pending = deque(sorted(requests, key=lambda request: request.arrival_s))
+    records, outputs = [], {}
+    index = 0
+    start = clock()
+    while pending or scheduler.has_unfinished_requests():
+        now = clock() - start
+        if not scheduler.has_unfinished_requests() and pending[0].arrival_s > now:
+            time.sleep(pending[0].arrival_s - now)  # idle: nothing to compute before the next arrival
+            now = clock() - start
+        while pending and pending[0].arrival_s <= now:
+            request = pending.popleft()
+            scheduler.add_request(request)
+            engine.add_request(request, by_id[request.request_id])
+        t0 = clock()
+        output = scheduler.schedule(t0 - start)
+        t1 = clock()
+        if not output.scheduled:
+            raise RuntimeError(
+                f"scheduler stalled at {t1 - start:.3f} s: nothing scheduled, {output.num_waiting} waiting"
+            )
+        engine.execute(output)
+        t2 = clock()
+        finished = scheduler.update(output, t2 - start)
+        t3 = clock()
+        for record in finished:
+            outputs[int(record.request_id)] = engine.finish(int(record.request_id))
+            records.append(record)
+            if on_finish is not None:
+                on_finish(record)
+        if on_iteration is not None:
+            on_iteration(index, output, t2 - t1, (t1 - t0) + (t3 - t2))
+        index += 1
+    duration_s = max(record.finished_s for record in records) if records else 0.0
+    return ServeResult(records=records, outputs=outputs, duration_s=duration_s, num_iterations=index)

@@ -1,0 +1,109 @@
+"""The serving engine against solo decoding (issue #16 item 6): in fp32, every request's greedy tokens equal the
+same prompt decoded alone by harness.decode.generate through a batch-1 contiguous cache, whatever else shares its
+iterations: mixed prompt and output lengths, prompts chunked across iterations, preemption (a pool too small for
+everyone, by recompute and by swap), prefix hits, and a sliding window (against harness.kv.sliding's ring).
+
+Equality is held as tests/greedy.py holds it between computations that round differently (a flattened batch and a
+masked gather against batch 1): equal up to a first difference, which must be a near-tie of the reference."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from harness import kv
+from harness.kv.base import CacheSpec
+from harness.model import build_model
+from harness.model_args import ModelArgs
+from harness.serve.engine import Engine, build_cache, serve
+from harness.serve.kv_manager import make_kv_manager
+from harness.serve.requests import Request, RequestSpec, generate, prompt_token_ids
+from harness.serve.scheduler import Scheduler, SchedulerConfig
+from tests.greedy import LOGIT_TOL, assert_same_greedy_tokens, greedy_with_logits
+
+CPU = torch.device("cpu")
+ARGS = ModelArgs.from_name("tiny")
+MAX_MODEL_LEN = 96
+BLOCK = 4
+
+
+@functools.cache
+def model():
+    return build_model(ARGS, dtype=torch.float32, device=CPU, seed=0, n_positions=MAX_MODEL_LEN)
+
+
+def mixed_requests(n: int = 10, *, prefix_len: int = 0, seed: int = 1) -> tuple[list[Request], list[list[int]]]:
+    spec = RequestSpec(num_prompts=n, qps=float("inf"), seed=seed, prompt_len=24, prompt_dist="uniform",
+                       prompt_spread=0.6, output_len=12, output_dist="uniform", output_spread=0.5,
+                       prefix_len=prefix_len, max_model_len=MAX_MODEL_LEN)  # fmt: skip
+    requests = generate(spec)
+    return requests, prompt_token_ids(requests, vocab_size=ARGS.vocab_size, seed=seed)
+
+
+@functools.cache
+def solo_reference(prompt: tuple[int, ...], output_len: int, cache: str = "contiguous", window: int = 0):
+    """(tokens [output_len], logits [output_len, V]) of the prompt decoded alone."""
+    spec = CacheSpec.for_model(ARGS, batch_size=1, max_tokens=len(prompt) + output_len, kv_dtype="fp32", device=CPU)
+    options = {"window": window} if cache == "sliding" else {}
+    tokens, logits = greedy_with_logits(model(), kv.build(cache, spec, options), torch.tensor([prompt]), output_len)
+    return tokens[0], logits[0]
+
+
+def run_engine(requests, prompts, *, strategy="paged", num_blocks=256, window=None, **knobs):
+    manager = make_kv_manager(strategy, num_blocks=num_blocks, block_size=BLOCK, max_model_len=MAX_MODEL_LEN,
+                              sliding_window=window)  # fmt: skip
+    scheduler = Scheduler(SchedulerConfig(max_model_len=MAX_MODEL_LEN, **knobs), manager)
+    cache, num_slots = build_cache(strategy, ARGS, kv_dtype="fp32", num_blocks=num_blocks, block_size=BLOCK,
+                                   max_model_len=MAX_MODEL_LEN, device=CPU)  # fmt: skip
+    engine = Engine(model(), cache, num_slots=num_slots, window=window)
+    iterations = []
+    result = serve(requests, prompts, scheduler=scheduler, engine=engine,
+                   on_iteration=lambda i, output, *_: iterations.append(output))  # fmt: skip
+    assert sorted(result.outputs) == [r.request_id for r in requests]
+    return result, iterations
+
+
+def assert_solo_equal(requests, prompts, result, *, cache="contiguous", window=0):
+    for request, prompt in zip(requests, prompts, strict=True):
+        expected, logits = solo_reference(tuple(prompt), request.output_len, cache, window)
+        actual = torch.tensor(result.outputs[request.request_id])
+        assert len(actual) == request.output_len
+        assert_same_greedy_tokens(actual[None], expected[None], logits[None], tol=LOGIT_TOL["fp32"])
+
+
+@pytest.mark.parametrize("strategy", ["contiguous", "paged", "prefix"])
+def test_mixed_lengths_with_chunked_prefill_match_solo_decoding(strategy):
+    requests, prompts = mixed_requests()
+    # 16 tokens per iteration: prompts of 10..38 tokens are chunked, and decodes share iterations with chunks.
+    result, iterations = run_engine(requests, prompts, strategy=strategy, max_num_batched_tokens=16)
+    assert any(o.num_prefill_tokens and o.num_decode_tokens for o in iterations), "no mixed iteration"
+    assert any(s.is_prefill and not s.samples_token for o in iterations for s in o.scheduled), "no chunked prompt"
+    assert max(o.num_running for o in iterations) > 3
+    assert_solo_equal(requests, prompts, result)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_in_a_tiny_pool_matches_solo_decoding(mode):
+    requests, prompts = mixed_requests()
+    # 24 blocks of 4 tokens: about three requests at their peak, so growing decodes preempt.
+    result, _ = run_engine(requests, prompts, num_blocks=24, preemption_mode=mode, watermark=0.0)
+    assert sum(record.preemptions for record in result.records) > 0
+    assert_solo_equal(requests, prompts, result)
+
+
+def test_prefix_hits_match_solo_decoding():
+    requests, prompts = mixed_requests(prefix_len=8)
+    result, _ = run_engine(requests, prompts, strategy="prefix", max_num_batched_tokens=32)
+    hits = [record.prefix_hit_tokens for record in result.records]
+    assert sum(1 for h in hits if h) >= len(requests) - 2 and max(hits) == 8  # the 8-token prefix: two whole blocks
+    assert_solo_equal(requests, prompts, result)
+
+
+def test_sliding_window_on_the_paged_pool_matches_the_ring_cache():
+    requests, prompts = mixed_requests()
+    result, iterations = run_engine(requests, prompts, strategy="sliding", window=8, max_num_batched_tokens=16)
+    # A window of 8 tokens holds at most ceil((8 + 16 - 1) / 4) + 1 = 7 blocks per request, whatever its length.
+    assert max(len([b for b in s.block_ids if b is not None]) for o in iterations for s in o.scheduled) <= 7
+    assert_solo_equal(requests, prompts, result, cache="sliding", window=8)
