@@ -4,6 +4,7 @@
     python -m experiments.capacity model=tiny contexts=[256,1024] max_memory_gb=0.6     # seconds per probe
     python -m experiments.capacity mode=plan model=llama-3.1-8b kv_dtype=fp8_e4m3 prompt_len=8192 gen_len=1024 \
         concurrency=32 memory_gb=141                   # how many concurrent requests fit in my GPU?
+    python -m experiments.capacity mode=fleet target_qps=100 ttft_slo_ms=500ms   # replicas, from a serve-qps sweep
 
 frontier: for each context length (prompt_len + gen_len tokens per sequence), the largest batch that runs under
 `max_memory_gb`, found with real OOMs: each probe is a point measured by harness.run.runner.run_point in its own
@@ -11,6 +12,10 @@ spawned process, capped by RLIMIT_DATA on the CPU (the allocator's fraction on C
 planner's prediction, gallops up or down to bracket the frontier, then bisects until the bracket is one
 `bisection step` wide (1 batch, or `resolution` of it). Each row puts the measured frontier beside the predicted
 max batch; the planner must land within one step of it. Rows go to <results_dir>/capacity/frontier-<time>.parquet.
+
+fleet: how many replicas each strategy needs to serve target_qps within a p99 TTFT SLO, from the knees of a serving
+sweep's curves (the newest sweep under <results_dir>/serve, or sweep_id's), beside the concurrency Little's law
+predicts for them (harness.serve.fleet). The table goes to <results_dir>/capacity/fleet-<time>.parquet.
 
 What this found here (2 CPU cores, small preset, bf16, 1.5 GiB, gen_len 2; 3.5 minutes): measured frontier =
 predicted max batch at every context, 39 / 9 / 2 at 512 / 2048 / 8192 tokens, two probes each.
@@ -44,6 +49,8 @@ from harness.errors import ConfigError
 from harness.plan import ledger as planner
 from harness.plan.runtime import GiB, default_runtime_overhead_bytes
 from harness.run import runner
+from harness.serve import fleet
+from harness.serve.metrics import SLO_FORMS, parse_slo_ms
 from harness.store import disk
 
 # An absolute path: a console script (kvbench-decode, ...) calls main() from a wrapper, where Hydra would read a
@@ -52,7 +59,7 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 log = logging.getLogger("kvbench")
 
-MODES = ("frontier", "plan")
+MODES = ("frontier", "plan", "fleet")
 MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's initial M_MMAP_THRESHOLD, pinned: its dynamic growth disabled
 
 
@@ -61,7 +68,9 @@ class CapacityConfig(Workload):
     """A Workload (model=llama-3.1-8b, cache=paged cache.block_size=32, weights=<dir> plans a Hugging Face
     config.json, ...) and how the planner is asked about it."""
 
-    mode: str = "frontier"  # frontier: measure the OOM frontier beside the prediction; plan: print the ledger
+    # frontier: measure the OOM frontier beside the prediction; plan: print the ledger; fleet: the replicas each
+    # strategy needs for target_qps, from a serving sweep's knees
+    mode: str = "frontier"
     prompt_len: int = 2048  # plan: tokens per prompt
     gen_len: int = 2  # tokens generated per request (frontier: 2, one decode step, keeps each probe short)
     concurrency: int | None = None  # plan: concurrent requests, the workload's batch_size (null: batch_size)
@@ -74,6 +83,10 @@ class CapacityConfig(Workload):
     resolution: float = 0.0  # bisect until the bracket is max(1, resolution x batch) wide
     max_batch: int = 4096  # the search never probes beyond this
     pin_mmap_threshold: bool = True  # see the module docstring
+    # fleet
+    target_qps: float | None = None  # requests/s the fleet must serve (> 0)
+    ttft_slo_ms: str | None = None  # the p99 TTFT SLO, with its unit: 500ms, 2s
+    sweep_id: str | None = None  # the serving sweep under <results_dir>/serve; null: the newest
     results_dir: str = "results"
     seed: int = 0
 
@@ -93,6 +106,12 @@ class CapacityConfig(Workload):
             raise ConfigError(f"resolution: must be in [0, 1), got {self.resolution}")
         if self.max_batch <= 0:
             raise ConfigError(f"max_batch: must be positive, got {self.max_batch}")
+        if self.mode == "fleet":  # the runs describe the fleet's workload; this one's fields are not read
+            if self.target_qps is None or not 0 < self.target_qps < math.inf:
+                raise ConfigError(f"target_qps: must be a finite number of requests/s > 0, got {self.target_qps}")
+            if parse_slo_ms(self.ttft_slo_ms, "ttft_slo_ms") is None:
+                raise ConfigError(f"ttft_slo_ms: missing; the fleet is sized under a p99 TTFT SLO; {SLO_FORMS}")
+            return
         if self.mode == "frontier":
             for context in self.contexts:
                 if context <= self.gen_len:
@@ -271,6 +290,15 @@ def format_frontier(table: pd.DataFrame) -> str:
     return shown[[*columns, "rss_error"]].to_string(index=False)
 
 
+# --- the fleet ------------------------------------------------------------------------------------------------------
+
+
+def fleet_rows(cfg: CapacityConfig) -> pd.DataFrame:
+    """The fleet table of the sweep cfg names (or the newest): no finished run, or no such sweep, is a ConfigError."""
+    runs = fleet.load_run_rows(cfg.results_dir, sweep_id=cfg.sweep_id)
+    return fleet.fleet(runs, target_qps=cfg.target_qps, ttft_slo_ms=cfg.ttft_slo_ms)
+
+
 # --- the app --------------------------------------------------------------------------------------------------------
 
 
@@ -285,11 +313,18 @@ def main(cfg: DictConfig) -> None:
                 device=config.device,
                 runtime_overhead_bytes=config.runtime_overhead_bytes,
             )
+        if config.mode == "fleet":  # reading the runs is the check that there are any
+            table = fleet_rows(config)
     except ConfigError as exc:
         print(f"kvbench: bad config: {exc}", file=sys.stderr)
         sys.exit(2)
     if config.mode == "plan":
         print(planner.format_ledger(book))
+        return
+    if config.mode == "fleet":
+        path = fleet.write_fleet(table, Path(config.results_dir) / "capacity")
+        print("\n".join(fleet.summary_lines(table)))
+        print(f"written: {path}")
         return
     table = frontier_rows(config)
     path = disk.write_frontier(table, Path(config.results_dir) / "capacity")
