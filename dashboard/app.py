@@ -18,5 +18,6 @@ st.navigation(
         st.Page("app_pages/latency.py", title="Latency", url_path="latency"),
         st.Page("app_pages/profile.py", title="Profile", url_path="profile"),
         st.Page("app_pages/compare.py", title="Compare", url_path="compare"),
+        st.Page("app_pages/serving.py", title="Serving", url_path="serving"),
     ]
 ).run()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dashboard import browser
+from tests.serve_runs import write_run, write_sweep
 
 pytestmark = [
     pytest.mark.slow,
@@ -21,18 +22,24 @@ pytestmark = [
 playwright = pytest.importorskip("playwright", reason="pip install playwright (the dev extra)")
 
 REFERENCE = Path(__file__).resolve().parents[1] / "results" / "reference"
+# The Serving page reads <results>/serve/, which the committed references do not have: the fixture adds a small
+# simulated qps sweep there (2 strategies × 2 rates, and a killed run), which takes a second.
+PAGES = (*browser.PAGES, "serving")
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    """Every page visited once over a copy of the committed reference results; screenshots in a temp dir."""
+    """Every page visited once over a copy of the committed reference results plus simulated serving runs;
+    screenshots in a temp dir."""
     results = tmp_path_factory.mktemp("results")
     shutil.copytree(REFERENCE, results / "reference")
+    write_sweep(results, qps_values=(4.0, 64.0))
+    write_run(results, run_id="killed", finished=False)
     shots = tmp_path_factory.mktemp("screenshots")
-    return {report.name: report for report in browser.visit_all(results, screenshots=shots)}
+    return {report.name: report for report in browser.visit_all(results, pages=PAGES, screenshots=shots)}
 
 
-@pytest.mark.parametrize("page", browser.PAGES)
+@pytest.mark.parametrize("page", PAGES)
 def test_every_page_renders_a_plotly_chart_and_no_exception(reports, page):
     report = reports[page]
     assert report.errors == [], f"{page} shows a Streamlit exception: {report.errors}"
