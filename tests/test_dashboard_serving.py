@@ -119,11 +119,6 @@ def test_with_only_a_killed_run_the_page_draws_its_requests_and_says_what_needs_
     assert any("No finished run" in str(info.value) for info in at.info)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="harness.store.disk.parquet_files reads <results>/serve/ parts as point rows and skips each as "
-    "'not a kvbench result table'; it should leave the serve/ folder to harness.serve.rows",
-)
 def test_serving_parts_are_not_reported_as_unreadable_point_rows(tmp_path):
     write_run(tmp_path, run_id="done")
     _, skipped = data.load_rows((str(tmp_path),))

@@ -34,11 +34,10 @@ import pyarrow.parquet as pq
 from harness.errors import ConfigError
 from harness.serve.metrics import MS_PER_S, SLO_FORMS, knee, parse_slo_ms
 from harness.serve.rows import RUN_FILE, SERVE_DIR
-from harness.store.disk import write_parquet
+from harness.store.disk import FLEET_PREFIX, write_parquet
 
 CURVE_KEY = ("strategy", "kv_dtype", "engine")  # one curve, one knee
 KNEE_METRIC = "p99_ttft_ms"  # issue #16 item 8: "the highest qps whose TTFT p99 stays under the SLO"
-FLEET_PREFIX = "fleet-"  # <results_dir>/capacity/fleet-<local time>.parquet
 # The timestamp a sweep_id carries: Hydra's ${now:%Y%m%d-%H%M%S}, the name of the sweep's folder. Fixed width, so
 # its text sorts as its time does; the sweep_id's own text may not (a prefix such as "bench-" sorts after digits).
 _SWEEP_STAMP = re.compile(r"\d{8}-\d{6}")

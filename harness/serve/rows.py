@@ -24,9 +24,10 @@ import pyarrow.parquet as pq
 from harness.errors import ConfigError
 from harness.serve.metrics import LATENCY_METRICS
 from harness.serve.scheduler import SchedulerOutput
+from harness.store import disk
 from harness.store.disk import write_parquet
 
-SERVE_DIR = "serve"  # <results_dir>/serve/<run_id>/
+SERVE_DIR = disk.SERVE_DIR  # <results_dir>/serve/<run_id>/
 RUN_FILE = "run.parquet"
 TABLES = ("requests", "iterations")
 _RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")  # a folder name, safe everywhere and never hidden

@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 # A point_id becomes a file name: keep it to characters that are safe everywhere, and never hidden.
 _POINT_ID_PATTERN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 FRONTIER_PREFIX = "frontier-"  # capacity OOM-frontier tables: <results_dir>/capacity/frontier-<time>.parquet
+FLEET_PREFIX = "fleet-"  # capacity fleet tables: <results_dir>/capacity/fleet-<time>.parquet (harness.serve.fleet)
+SERVE_DIR = "serve"  # serving runs' tables: <results_dir>/serve/<run_id>/ (harness.serve.rows reads them)
 IDENTITY_COLUMNS = ("point_id", "status")  # a parquet file without them is not a result row
 MEASUREMENT_KEY = ("point_id", "sweep_id", "started_at")  # one measurement; load() keeps one row per key
 REFERENCE_DIR = "reference"  # <results_dir>/reference: committed runs, left alone by compact (and by resume)
@@ -194,7 +196,8 @@ def drop_repeats(table: pa.Table) -> pa.Table:
 
 
 def parquet_files(path: Path) -> list[Path]:
-    """The row files under `path` (or `path` itself): not hidden, not profiler tables, not frontier tables."""
+    """The row files under `path` (or `path` itself): not hidden, not profiler, frontier or fleet tables, not a
+    serving run's tables."""
     if path.is_file():
         if path.suffix != ".parquet":
             raise ValueError(f"{path} is not a .parquet file or a directory of them")
@@ -210,8 +213,9 @@ def parquet_files(path: Path) -> list[Path]:
         for file in path.rglob("*.parquet")
         if file.is_file()
         and not file.name.endswith(OPS_SUFFIX)  # profiler tables: load_ops()
-        and not file.name.startswith(FRONTIER_PREFIX)  # capacity frontier tables: write_frontier()
+        and not file.name.startswith((FRONTIER_PREFIX, FLEET_PREFIX))  # capacity tables: write_frontier(), fleet
         and not any(part.startswith(".") for part in file.relative_to(path).parts)
+        and SERVE_DIR not in file.relative_to(path).parts[:-1]
     )
 
 
