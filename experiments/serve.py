@@ -40,6 +40,7 @@ from harness.serve.scheduler import Scheduler, SchedulerConfig
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 log = logging.getLogger("kvbench")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+FLUSH_EVERY_S = 1.0  # finished requests reach disk at least this often (s), whatever ServeRunWriter's flush_every
 
 
 @dataclass
@@ -189,8 +190,16 @@ def run(p: Plan, *, run_dir: Path, sweep_id: str) -> dict:
             steps_ms.append(step_s * 1e3)
             scheduler_ms.append(scheduler_s * 1e3)
 
+        flushed = [time.monotonic()]
+
+        def on_finish(record):
+            writer.add_request(request_row(record))
+            if time.monotonic() - flushed[0] >= FLUSH_EVERY_S:  # a run killed midway keeps what finished
+                writer.flush()
+                flushed[0] = time.monotonic()
+
         result = serve(p.requests, prompts, scheduler=scheduler, engine=engine, on_iteration=on_iteration,
-                       on_finish=lambda record: writer.add_request(request_row(record)))  # fmt: skip
+                       on_finish=on_finish)  # fmt: skip
         row = run_metrics(result.records, result.duration_s, percentiles=cfg.percentiles,
                           ttft_slo_ms=cfg.ttft_slo_ms, tpot_slo_ms=cfg.tpot_slo_ms)  # fmt: skip
         row |= {
