@@ -27,6 +27,7 @@ SLURM_ARGS ?=
 SLURM_RESULTS ?= results/slurm-check
 
 .PHONY: help setup run test test-cuda-trace lint docs ceilings dashboard screenshot bench-dashboard bench bench-sweep \
+	serve-quick serve-qps bench-serve \
 	clean-results gpu-wheels slurm-check slurm-up slurm-down
 
 help: ## Show this help
@@ -102,6 +103,15 @@ bench-dashboard: setup ## Time every dashboard page over 100k rows (AppTest and 
 
 bench: setup ## Our decode loop against transformers' generate(): same weights, interleaved rounds; prints the table
 	$(BIN)/python -m experiments.versus $(ARGS)
+
+serve-quick: setup ## Serve 32 requests on the small model with continuous batching over a paged pool; prints the run
+	$(BIN)/python -m experiments.serve experiment=serve-quick $(ARGS)
+
+serve-qps: setup ## The saturation sweep: qps x {contiguous, paged}; prints each strategy's knee
+	$(BIN)/python -m experiments.serve -m experiment=serve-qps $(ARGS)
+
+bench-serve: setup ## Our serving engine beside transformers' continuous batching: same checkpoint, requests, KV pool
+	$(BIN)/python -m experiments.bench_serve $(ARGS)
 
 bench-sweep: setup ## How a sweep's wall time grows with its points, with warm workers and with a fresh process each
 	$(BIN)/python -m experiments.sweep_cost $(ARGS)

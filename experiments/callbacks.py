@@ -129,3 +129,27 @@ class SweepProgress(Callback):
         if not knees.empty:  # a batch sweep: where TPOT started rising, beside the predicted critical batch
             print(f"\nObserved knee (TPOT > {crossover.KNEE_RISE:.2f} x batch 1) beside the predicted B*:")
             print(knees.to_string(index=False))
+
+
+class ServeSweepSummary(Callback):
+    """At the end of an experiments.serve multirun (experiment=serve-qps): each strategy's knee, the highest qps
+    whose p99 TTFT stays within ttft_slo_ms (harness.serve.fleet), from the run rows the sweep just wrote."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from harness.serve import fleet  # the decode app never pays for it
+
+        slo = config.get("ttft_slo_ms")
+        if slo is None:
+            print("serve sweep: no ttft_slo_ms, so no knee (e.g. ttft_slo_ms=2s)")
+            return
+        sweep_id = Path(config.hydra.sweep.dir).name
+        try:
+            frame = fleet.load_run_rows(config.results_dir, sweep_id=sweep_id)
+            lines = fleet.summary_lines(fleet.knees(frame, slo))
+        except ConfigError as exc:  # every run failed: nothing to summarize, and the jobs said why
+            print(f"serve sweep {sweep_id}: no knee: {exc}")
+            return
+        print(f"serve sweep {sweep_id}: the knee per strategy at p99 TTFT <= {slo}")
+        print("\n".join(lines))
+        print(f"replicas for a target rate: python -m experiments.capacity mode=fleet sweep_id={sweep_id} "
+              f"target_qps=<req/s> ttft_slo_ms={slo}")  # fmt: skip

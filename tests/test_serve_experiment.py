@@ -131,3 +131,9 @@ def test_at_one_budget_paged_fits_more_than_contiguous_and_fp8_more_than_bf16():
                               (("contiguous", "bf16"), ("paged", "bf16"), ("paged", "fp8_e4m3")))  # fmt: skip
     assert paged > 2 * contiguous  # 3 slots of 256 tokens where requests hold ~64
     assert fp8 > 1.3 * paged  # 1 byte plus a 4-byte scale per 16 values, against 2 bytes: 1.6x the blocks
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("serve-*.yaml")))
+def test_every_serve_preset_plans(preset):
+    p = app.plan(config(f"experiment={preset}"))
+    assert p.num_blocks > 0 and p.predicted_max_running >= 1 and len(p.requests) >= 8

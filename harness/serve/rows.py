@@ -91,7 +91,8 @@ RUN_FIELDS += [_required("prefix_hit_rate", F64)]
 # prediction for that pool (null: no prediction, e.g. the peer), and the engine's own per-iteration figures.
 RUN_FIELDS += [_required(name, STR) for name in ("sweep_id", "engine", "strategy", "kv_dtype", "model", "device")]
 RUN_FIELDS += [_required("qps", F64)]  # requests/s; inf: every request at t = 0
-RUN_FIELDS += [_required(name, I64) for name in ("num_blocks", "block_size", "kv_budget_bytes", "num_iterations")]
+RUN_FIELDS += [_required(name, I64) for name in ("num_blocks", "block_size", "kv_budget_bytes")]
+RUN_FIELDS += [pa.field("num_iterations", I64)]  # null: an engine that does not say (the peer)
 RUN_FIELDS += [pa.field("predicted_max_running", I64)]  # harness.serve.capacity.predict_concurrency
 RUN_FIELDS += [pa.field(name, F64) for name in ("mean_kv_utilization", "peak_kv_utilization")]  # used / all blocks
 RUN_FIELDS += [pa.field(name, F64) for name in ("mean_step_ms", "mean_scheduler_ms")]  # per iteration, host clock

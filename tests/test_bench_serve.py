@@ -1,0 +1,24 @@
+"""make bench-serve end to end on the tiny preset: both engines serve the same stream, each run is written as a
+serving run, and the table says the ratio and that every request made the same tokens in both (fp32)."""
+
+from __future__ import annotations
+
+from experiments import bench_serve
+from harness.serve.rows import load_run
+
+
+def test_bench_serve_prints_both_engines_the_ratio_and_equal_tokens(tmp_path, capsys):
+    bench_serve.main(["--model", "tiny", "--num-prompts", "6", "--prompt-len", "20", "--output-len", "8",
+                      "--spread", "0.5", "--num-blocks", "64", "--block-size", "8", "--max-num-batched-tokens", "32",
+                      "--results-dir", str(tmp_path)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "ours / theirs: output tok/s" in out
+    assert "same tokens: 6/6 requests in every round" in out
+    runs = sorted((tmp_path / "serve").iterdir())
+    assert len(runs) == 2  # one per engine
+    engines = set()
+    for run in runs:
+        requests, _, row = load_run(run)
+        assert len(requests) == 6 and (requests["output_len"] >= 4).all()
+        engines.add(row["engine"])
+    assert engines == {"kvbench", "transformers-cb"}
