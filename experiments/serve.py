@@ -80,6 +80,7 @@ class ServeConfig:
     output_spread: float = 0.0
     prefix_len: int = 0
     trace: str | None = None  # JSONL or CSV: arrival_s, prompt_len, output_len
+    text_ids: str | None = None  # a tokenized local text (a JSON list or .npy of ids) the prompts are cut from
     # SLOs with a unit ("500ms", "2s"): goodput counts the requests meeting all of them
     ttft_slo_ms: str | None = None
     tpot_slo_ms: str | None = None
@@ -105,6 +106,7 @@ class Plan:
     budget: capacity.KVBudget
     num_blocks: int
     predicted_max_running: int | None
+    text_ids: list[int] | None = None
 
 
 def plan(cfg: ServeConfig) -> Plan:
@@ -159,7 +161,30 @@ def plan(cfg: ServeConfig) -> Plan:
             workload, requests, kv_budget_bytes=budget.kv_bytes, max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs, watermark=cfg.watermark,
         ).predicted_max_running  # fmt: skip
-    return Plan(cfg, paged, kv_dtype, device, requests, scheduler_config, budget, num_blocks, predicted)
+    text_ids = read_text_ids(cfg.text_ids) if cfg.text_ids is not None else None
+    if text_ids is not None:  # its length and id range, against this stream and this model, before any work
+        prompt_token_ids(requests, vocab_size=paged.model_args().vocab_size, seed=cfg.seed, text_ids=text_ids)
+    return Plan(cfg, paged, kv_dtype, device, requests, scheduler_config, budget, num_blocks, predicted, text_ids)
+
+
+def read_text_ids(path: str) -> list[int]:
+    """A tokenized text: a JSON list of ints, or a 1-D integer .npy (what a tokenizer's encode() gives, saved)."""
+    import json
+
+    import numpy as np
+
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"text_ids: {path} is not a file (a JSON list of token ids, or a .npy of them)")
+    try:
+        ids = np.load(file) if file.suffix == ".npy" else np.asarray(json.loads(file.read_text()))
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"text_ids: {path} is neither a JSON list nor a .npy of token ids: {exc}") from None
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ConfigError(
+            f"text_ids: {path} must hold a non-empty 1-D list of integer ids, got {ids.dtype} {ids.shape}"
+        )
+    return ids.tolist()
 
 
 def kv_manager(cfg: ServeConfig, num_blocks: int):
@@ -178,7 +203,7 @@ def run(p: Plan, *, run_dir: Path, sweep_id: str) -> dict:
                                    dtype=cfg.dtype)  # fmt: skip
     engine = Engine(model, cache, num_slots=num_slots, window=cfg.sliding_window)
     scheduler = Scheduler(p.scheduler_config, kv_manager(cfg, p.num_blocks))
-    prompts = prompt_token_ids(p.requests, vocab_size=args.vocab_size, seed=cfg.seed)
+    prompts = prompt_token_ids(p.requests, vocab_size=args.vocab_size, seed=cfg.seed, text_ids=p.text_ids)
     if cfg.warmup:
         warm_up(model, cache, block_size=cfg.block_size, paged=num_slots is None)
     used, steps_ms, scheduler_ms = [], [], []

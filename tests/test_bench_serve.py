@@ -9,11 +9,12 @@ from harness.serve.rows import load_run
 
 def test_bench_serve_prints_both_engines_the_ratio_and_equal_tokens(tmp_path, capsys):
     bench_serve.main(["--model", "tiny", "--num-prompts", "6", "--prompt-len", "20", "--output-len", "8",
-                      "--spread", "0.5", "--num-blocks", "64", "--block-size", "8", "--max-num-batched-tokens", "32",
+                      "--spread", "0.5", "--num-blocks", "64", "--block-size", "8", "--max-num-batched-tokens", "32", "--max-num-seqs", "4",
                       "--results-dir", str(tmp_path)])  # fmt: skip
     out = capsys.readouterr().out
     assert "ours / theirs: output tok/s" in out
     assert "same tokens: 6/6 requests in every round" in out
+    assert "kvbench scheduler at 4 running: " in out  # issue #16 item 11's figure, at max_num_seqs running
     runs = sorted((tmp_path / "serve").iterdir())
     assert len(runs) == 2  # one per engine
     engines = set()

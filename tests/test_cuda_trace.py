@@ -362,3 +362,32 @@ def test_the_sync_recorder_catches_what_would_make_the_host_wait(fake_cuda):
         "aten::index.Tensor: a cpu index into a cuda:0 tensor",
         "aten::_to_copy: a blocking copy from cuda:0 to cpu",
     ]
+
+
+SERVE_POINTS = [(s, k) for s in ("contiguous", "paged") for k in (DTYPE, "fp8_e4m3", "int8")] + [("sliding", DTYPE)]
+
+
+@pytest.mark.parametrize(("strategy", "kv_dtype"), SERVE_POINTS, ids=["-".join(p) for p in SERVE_POINTS])
+def test_a_serving_forward_traces_on_fake_cuda_without_a_host_sync(fake_cuda, strategy, kv_dtype):
+    """One serving iteration (harness.serve.engine): three decodes at their own positions and a prefill chunk in
+    the middle of its prompt, flattened, through the pool the engine builds; the sampled ids' read-back, the
+    iteration's one sync, comes after."""
+    from harness.kv.varlen import SeqBatch
+    from harness.serve.engine import build_cache
+
+    fake_mode, models = fake_cuda
+    model = models["shallow"]
+    window = 64 if strategy == "sliding" else None
+    starts, n_new = (37, 150, 90, 48), (1, 1, 1, 40)  # three decodes, one chunk of positions 48..87
+    with fake_mode:
+        cache, num_slots = build_cache(strategy, model.args, kv_dtype=kv_dtype, num_blocks=64, block_size=16,
+                                       max_model_len=PROMPT_LEN, device=CUDA, dtype=DTYPE)  # fmt: skip
+        tables = tuple(tuple(range(i * 12, i * 12 + 12)) for i in range(4)) if num_slots is None else ()
+        batch = SeqBatch(slots=(0, 1, 2, 3) if num_slots else (0,) * 4, start_pos=starts, n_new=n_new,
+                         block_tables=tables, window=window)  # fmt: skip
+        tokens = torch.zeros((1, sum(n_new)), dtype=torch.long).to(CUDA, non_blocking=True)
+        syncs = HostSyncs()
+        with syncs:
+            logits = model(tokens, batch, cache, last_only=True)
+        assert syncs.found == [], f"host syncs inside a serving forward: {sorted(set(syncs.found))}"
+        assert logits.shape == (1, 4, model.args.vocab_size) and logits.device.type == "cuda"

@@ -60,6 +60,23 @@ def test_a_malformed_trace_names_its_line(tmp_path):
         app.plan(config(*TINY, "kv_memory_gb=0.01", f"trace={trace}"))
 
 
+def test_prompts_cut_from_a_tokenized_text_are_checked_against_the_stream_and_the_vocabulary(tmp_path):
+    ids = tmp_path / "text.json"
+    ids.write_text(json.dumps(list(range(200))))
+    p = app.plan(config(*TINY, "kv_memory_gb=0.01", "num_prompts=4", "prompt_len=40", "output_len=4",
+                        f"text_ids={ids}"))  # fmt: skip
+    assert p.text_ids == list(range(200))
+    ids.write_text(json.dumps([1, 2, 3]))
+    with pytest.raises(ConfigError, match="text_ids: 3 tokens, shorter than the longest prompt"):
+        app.plan(config(*TINY, "kv_memory_gb=0.01", "prompt_len=40", f"text_ids={ids}"))
+    ids.write_text(json.dumps([300] * 100))  # the tiny preset's vocabulary has 256 ids
+    with pytest.raises(ConfigError, match="text_ids: ids must lie in"):
+        app.plan(config(*TINY, "kv_memory_gb=0.01", "prompt_len=40", f"text_ids={ids}"))
+    ids.write_text("not json")
+    with pytest.raises(ConfigError, match="text_ids: .* neither a JSON list"):
+        app.plan(config(*TINY, "kv_memory_gb=0.01", "prompt_len=40", f"text_ids={ids}"))
+
+
 def test_bad_input_from_the_command_line_is_one_line_and_writes_nothing(tmp_path):
     result = cli(tmp_path, *TINY, "kv_memory_gb=0.01", "tpot_slo_ms=fast")
     assert result.returncode == 2

@@ -30,7 +30,7 @@ import torch
 from harness import kv
 from harness.errors import ConfigError
 from harness.kv.base import CacheSpec
-from harness.kv.varlen import SeqBatch
+from harness.kv.varlen import SeqBatch, to_device
 from harness.serve.metrics import RequestRecord
 from harness.serve.requests import Request
 from harness.serve.scheduler import Scheduler, SchedulerOutput
@@ -156,7 +156,7 @@ class Engine:
             block_tables=tuple(entry.block_ids for entry in entries) if self.paged else (),
             window=self.window,
         )
-        tokens = torch.tensor([ids], dtype=torch.long).to(self.device, non_blocking=True)  # [1, N]
+        tokens = to_device([ids], self.device)[0][None]  # [1, N], pinned and non-blocking on CUDA
         with torch.inference_mode():
             logits = self.model(tokens, batch, self.cache, last_only=True)  # [1, n, V]
         sampled = logits[0].argmax(dim=-1).tolist()  # greedy; the iteration's one host sync
