@@ -30,7 +30,16 @@ log = logging.getLogger(__name__)
 APP = Path(__file__).with_name("app.py")
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = Path(os.environ.get("KVBENCH_CHROMIUM", "/usr/bin/chromium"))
-PAGES = ("overview", "roofline", "memory", "strategies", "latency", "profile", "compare")  # app.py's url paths
+PAGES = (
+    "overview",
+    "roofline",
+    "memory",
+    "strategies",
+    "latency",
+    "profile",
+    "compare",
+    "serving",
+)  # app.py's url paths
 DEFAULT_PAGE = "overview"  # st.navigation serves the default page at "/", not at its url path
 # Streamlit's DOM contract (data-testid attributes, stable across 1.3x-1.6x releases)
 EXCEPTION = '[data-testid="stException"]'

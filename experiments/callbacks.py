@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -132,24 +133,29 @@ class SweepProgress(Callback):
 
 
 class ServeSweepSummary(Callback):
-    """At the end of an experiments.serve multirun (experiment=serve-qps): each strategy's knee, the highest qps
-    whose p99 TTFT stays within ttft_slo_ms (harness.serve.fleet), from the run rows the sweep just wrote."""
+    """At the end of an experiments.serve multirun: each run's measured concurrency beside the planner's, its
+    throughput and TTFT; then, for a qps sweep with a ttft_slo_ms (experiment=serve-qps), each strategy's knee, the
+    highest qps whose p99 TTFT stays within the SLO (harness.serve.fleet)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from harness.serve import fleet  # the decode app never pays for it
 
-        slo = config.get("ttft_slo_ms")
-        if slo is None:
-            print("serve sweep: no ttft_slo_ms, so no knee (e.g. ttft_slo_ms=2s)")
-            return
         sweep_id = Path(config.hydra.sweep.dir).name
         try:
             frame = fleet.load_run_rows(config.results_dir, sweep_id=sweep_id)
-            lines = fleet.summary_lines(fleet.knees(frame, slo))
         except ConfigError as exc:  # every run failed: nothing to summarize, and the jobs said why
-            print(f"serve sweep {sweep_id}: no knee: {exc}")
+            print(f"serve sweep {sweep_id}: no finished run: {exc}")
             return
-        print(f"serve sweep {sweep_id}: the knee per strategy at p99 TTFT <= {slo}")
-        print("\n".join(lines))
+        columns = ["strategy", "kv_dtype", "qps", "max_concurrent_requests", "predicted_max_running",
+                   "total_preemptions", "output_throughput", "median_ttft_ms", "prefix_hit_rate"]  # fmt: skip
+        table = frame[columns].rename(columns={"max_concurrent_requests": "max running (measured)",
+                                               "predicted_max_running": "(predicted)"})  # fmt: skip
+        print(f"serve sweep {sweep_id}: {len(frame)} runs")
+        print(table.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+        slo = config.get("ttft_slo_ms")
+        if slo is None or not frame["qps"].map(math.isfinite).any():
+            return
+        print(f"the knee per strategy at p99 TTFT <= {slo}")
+        print("\n".join(fleet.summary_lines(fleet.knees(frame, slo))))
         print(f"replicas for a target rate: python -m experiments.capacity mode=fleet sweep_id={sweep_id} "
               f"target_qps=<req/s> ttft_slo_ms={slo}")  # fmt: skip

@@ -1,6 +1,7 @@
 """Serving: the KV cache as the resource a serving engine schedules (issue #16).
 
-A request stream (requests.py: arrivals, lengths, traces) and what a serving run reports (metrics.py: per-request
-latencies and the run's throughput, percentiles and goodput, with vLLM's benchmark_serving names). The engine loop
-over the paged pool comes on top of these.
+A request stream (requests.py), the KV budget and the planner's concurrency (capacity.py), block accounting per
+strategy (kv_manager.py), the scheduler (scheduler.py), the engine that runs its iterations on the real model
+(engine.py), what a run reports (metrics.py) and writes (rows.py), a qps sweep's knees and fleet (fleet.py), and
+transformers' engine as the peer (peer.py). The entry point is experiments/serve.py.
 """
