@@ -386,6 +386,8 @@ def test_a_serving_forward_traces_on_fake_cuda_without_a_host_sync(fake_cuda, st
         batch = SeqBatch(slots=(0, 1, 2, 3) if num_slots else (0,) * 4, start_pos=starts, n_new=n_new,
                          block_tables=tables, window=window)  # fmt: skip
         tokens = torch.zeros((1, sum(n_new)), dtype=torch.long).to(CUDA, non_blocking=True)
+        if num_slots is None:  # the decodes go through the Triton kernel's op (its fake implementation here)
+            assert cache.attn_backend == "triton-paged"
         syncs = HostSyncs()
         with syncs:
             logits = model(tokens, batch, cache, last_only=True)

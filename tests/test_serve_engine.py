@@ -43,9 +43,11 @@ def mixed_requests(n: int = 10, *, prefix_len: int = 0, seed: int = 1) -> tuple[
 
 
 @functools.cache
-def solo_reference(prompt: tuple[int, ...], output_len: int, cache: str = "contiguous", window: int = 0):
+def solo_reference(
+    prompt: tuple[int, ...], output_len: int, cache: str = "contiguous", window: int = 0, kv_dtype: str = "fp32"
+):
     """(tokens [output_len], logits [output_len, V]) of the prompt decoded alone."""
-    spec = CacheSpec.for_model(ARGS, batch_size=1, max_tokens=len(prompt) + output_len, kv_dtype="fp32", device=CPU)
+    spec = CacheSpec.for_model(ARGS, batch_size=1, max_tokens=len(prompt) + output_len, kv_dtype=kv_dtype, device=CPU)
     options = {"window": window} if cache == "sliding" else {}
     tokens, logits = greedy_with_logits(model(), kv.build(cache, spec, options), torch.tensor([prompt]), output_len)
     return tokens[0], logits[0]
@@ -107,3 +109,26 @@ def test_sliding_window_on_the_paged_pool_matches_the_ring_cache():
     # A window of 8 tokens holds at most ceil((8 + 16 - 1) / 4) + 1 = 7 blocks per request, whatever its length.
     assert max(len([b for b in s.block_ids if b is not None]) for o in iterations for s in o.scheduled) <= 7
     assert_solo_equal(requests, prompts, result, cache="sliding", window=8)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+def test_decodes_through_the_triton_kernel_match_solo_decoding(kv_dtype):
+    """What CUDA runs: the decoding requests of each iteration read their blocks in place through the Triton kernel
+    (lengths and padded tables on the device), here in Triton's interpreter on CPU tensors."""
+    pytest.importorskip("triton", reason="triton not installed")
+    requests, prompts = mixed_requests(6)
+    manager = make_kv_manager("paged", num_blocks=128, block_size=BLOCK, max_model_len=MAX_MODEL_LEN)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=16), manager)
+    cache, _ = build_cache("paged", ARGS, kv_dtype=kv_dtype, num_blocks=128, block_size=BLOCK,
+                           max_model_len=MAX_MODEL_LEN, device=CPU)  # fmt: skip
+    cache.attn_backend = "triton-paged"  # what CUDA runs (harness.kv.paged.decode_backend)
+    calls = []
+    kernel = cache._varlen_decode
+    cache._varlen_decode = lambda *args: calls.append(1) or kernel(*args)
+    result = serve(requests, prompts, scheduler=scheduler, engine=Engine(model(), cache))
+    assert len(calls) > ARGS.n_layers  # every iteration with a decoding request, every layer
+    for request, prompt in zip(requests, prompts, strict=True):
+        expected, logits = solo_reference(tuple(prompt), request.output_len, kv_dtype=kv_dtype)
+        actual = torch.tensor(result.outputs[request.request_id])
+        # the same int8 codes read by another kernel: apart by rounding, within the format's tolerance (greedy.py)
+        assert_same_greedy_tokens(actual[None], expected[None], logits[None], tol=LOGIT_TOL[kv_dtype])

@@ -259,7 +259,8 @@ class PagedCache:
         if isinstance(start_pos, torch.Tensor):  # a decode step at static shapes: the position [1] on the device
             return self._attend_static(layer, q, k, v, start_pos)
         if isinstance(start_pos, varlen.SeqBatch):  # sequences at their own positions, flattened
-            return varlen.attend(self, layer, q, k, v, start_pos, self._varlen)
+            kernel = self._varlen_decode if self.attn_backend == "triton-paged" else None
+            return varlen.attend(self, layer, q, k, v, start_pos, self._varlen, decode_in_place=kernel)
         self._write(layer, k, v, start_pos)
         in_place = self.attn_backend in ("flashinfer", "triton-paged")
         if q.shape[2] == 1 and in_place:  # a decode step: read the blocks in place
@@ -267,6 +268,22 @@ class PagedCache:
             return self._decode_in_place(layer, q, self._lengths(q.shape[0], n_tokens), max_len=n_tokens).unsqueeze(2)
         k_seq, v_seq = self._gather(layer, start_pos + k.shape[2], q.dtype)
         return attention(q, k_seq, v_seq, start_pos)
+
+    def _varlen_decode(self, layer: int, q: torch.Tensor, rows: varlen.VarlenRows) -> torch.Tensor:
+        """The decoding sequences of a SeqBatch through the Triton kernel: q [b, H, D] over each one's blocks (its
+        padded table, its length on the device) -> [b, H, D]. FlashInfer plans on the host per batch shape, so a
+        serving step, whose batch changes every iteration, takes the Triton kernel."""
+        from harness.kv import triton_paged
+
+        scales = {}
+        if self.scales:  # int8/fp8: [N, H_kv, bs, 1] per token -> [N, H_kv, bs]
+            scales = {
+                "k_scale": self.scales["k_scale"][layer][..., 0],
+                "v_scale": self.scales["v_scale"][layer][..., 0],
+            }
+        return triton_paged.paged_decode(q, self.k_pool[layer], self.v_pool[layer], rows.indices["decode"],
+                                         rows.decode_lens, block_size=self.block_size, max_len=rows.decode_keys,
+                                         **scales)  # fmt: skip
 
     def _attend_static(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor

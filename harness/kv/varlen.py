@@ -20,7 +20,7 @@ Every index tensor is built on the host and copied once per forward, pinned and 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -138,6 +138,7 @@ class VarlenRows:
         k_pos = torch.arange(self.decode_keys, device=cache.spec.device)[None, :]  # [1, S]
         # [b, 1, 1, S] for the decoding sequences' queries: keys first_key..end-1 (True = attend)
         self.decode_mask = ((k_pos >= firsts[:, None]) & (k_pos < lasts[:, None]))[:, None, None, :]
+        self.decode_lens = lasts.to(torch.int32)  # [b] keys each decoding sequence reads: a kernel's lengths
         self.selected: object = "decode"
         self.n_kv_heads, self.cols = cache.spec.n_kv_heads, cache.rows["k"].shape[3]  # parts [L, R, H_kv, C, w]
         self.write_index: torch.Tensor | None = None  # [N * H_kv], made at the first write
@@ -175,22 +176,37 @@ class VarlenRows:
 
 
 def attend(
-    cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: SeqBatch, rows: VarlenRows
+    cache,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: SeqBatch,
+    rows: VarlenRows,
+    decode_in_place: Callable[[int, torch.Tensor, VarlenRows], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q [1, H, N, D], k and v [1, H_kv, N, D] of a flattened forward -> [1, H, N, D]; `cache` has a storage format
-    (`format`, harness.kv.quant) and `rows` by part name; `rows` is the VarlenRows its prepare() made."""
+    (`format`, harness.kv.quant) and `rows` by part name; `rows` is the VarlenRows its prepare() made.
+
+    decode_in_place(layer, q [b, H, D], rows) -> [b, H, D]: the strategy's kernel for the decoding sequences (CUDA's
+    Triton kernel reads their blocks in place, lengths rows.decode_lens), in place of the gather and masked SDPA;
+    never with a window, which the kernel does not mask."""
     cache.format.write(rows, layer, k, v, 0)
     out = torch.empty_like(q)
     n_heads, head_dim = q.shape[1], q.shape[3]
     n_kv_heads = k.shape[1]
     decode = batch.decode_seqs
     if decode:
-        k_d, v_d = cache.format.read(rows.select("decode"), layer, rows.decode_keys, q.dtype)  # [b, H_kv, S, D]
         token_rows = rows.decode_token_rows  # [b] the decoding sequences' rows on the flattened axis
         q_d = q[0].index_select(1, token_rows).transpose(0, 1)  # [H, N, D] -> [b, H, D]
-        # GQA folded into the query axis (harness.kv.base.grouped_attention): [b, H_kv, G, D], one read per K/V head
-        q_d = q_d.reshape(len(decode), n_kv_heads, n_heads // n_kv_heads, head_dim)
-        y = F.scaled_dot_product_attention(q_d, k_d, v_d, attn_mask=rows.decode_mask)  # mask [b, 1, 1, S]
+        if decode_in_place is not None and batch.window is None:
+            y = decode_in_place(layer, q_d.contiguous(), rows)  # [b, H, D]
+        else:
+            k_d, v_d = cache.format.read(rows.select("decode"), layer, rows.decode_keys, q.dtype)  # [b, H_kv, S, D]
+            # GQA folded into the query axis (harness.kv.base.grouped_attention): [b, H_kv, G, D], one read per
+            # K/V head
+            q_d = q_d.reshape(len(decode), n_kv_heads, n_heads // n_kv_heads, head_dim)
+            y = F.scaled_dot_product_attention(q_d, k_d, v_d, attn_mask=rows.decode_mask)  # mask [b, 1, 1, S]
         out[0].index_copy_(1, token_rows, y.reshape(len(decode), n_heads, head_dim).transpose(0, 1))  # [H, b, D]
     for i in batch.prefill_seqs:
         first, last, start, end = batch.offsets[i], batch.offsets[i + 1], batch.start_pos[i], batch.ends[i]
