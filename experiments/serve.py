@@ -106,6 +106,7 @@ class Plan:
     budget: capacity.KVBudget
     num_blocks: int
     predicted_max_running: int | None
+    budget_bytes_per_block: int
     text_ids: list[int] | None = None
 
 
@@ -147,7 +148,8 @@ def plan(cfg: ServeConfig) -> Plan:
         knobs |= dict(kv_memory_gb=cfg.kv_memory_gb, gpu_memory_utilization=cfg.gpu_memory_utilization,
                       memory_gb=cfg.memory_gb)  # fmt: skip
     budget = capacity.kv_budget(paged, **knobs)
-    num_blocks = num_blocks_for(budget.kv_bytes, capacity.bytes_per_block(paged))
+    block_bytes = capacity.bytes_per_block(paged)
+    num_blocks = num_blocks_for(budget.kv_bytes, block_bytes)
     # Every request must run alone in this pool, the one-line refusal a server gives before serving.
     probe = Scheduler(scheduler_config, kv_manager(cfg, num_blocks))
     for request in requests:
@@ -164,7 +166,8 @@ def plan(cfg: ServeConfig) -> Plan:
     text_ids = read_text_ids(cfg.text_ids) if cfg.text_ids is not None else None
     if text_ids is not None:  # its length and id range, against this stream and this model, before any work
         prompt_token_ids(requests, vocab_size=paged.model_args().vocab_size, seed=cfg.seed, text_ids=text_ids)
-    return Plan(cfg, paged, kv_dtype, device, requests, scheduler_config, budget, num_blocks, predicted, text_ids)
+    return Plan(cfg, paged, kv_dtype, device, requests, scheduler_config, budget, num_blocks, predicted, block_bytes,
+                text_ids)  # fmt: skip
 
 
 def read_text_ids(path: str) -> list[int]:
@@ -207,10 +210,12 @@ def run(p: Plan, *, run_dir: Path, sweep_id: str) -> dict:
     if cfg.warmup:
         warm_up(model, cache, block_size=cfg.block_size, paged=num_slots is None)
     used, steps_ms, scheduler_ms = [], [], []
+    bytes_per_token = p.budget_bytes_per_block / cfg.block_size  # a block's K, V and scales over all layers
     with ServeRunWriter(run_dir) as writer:
 
         def on_iteration(index, output, step_s, scheduler_s):
-            writer.add_iteration(iteration_row(index, output, step_s, scheduler_s=scheduler_s))
+            writer.add_iteration(iteration_row(index, output, step_s, scheduler_s=scheduler_s,
+                                               kv_bytes_per_token=bytes_per_token))  # fmt: skip
             used.append(output.kv.blocks_used)
             steps_ms.append(step_s * 1e3)
             scheduler_ms.append(scheduler_s * 1e3)

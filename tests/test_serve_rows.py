@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 
 from harness.errors import ConfigError
@@ -65,7 +66,10 @@ def simulated_iterations() -> list[dict]:
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4, max_model_len=32), kv)
     requests = [Request(request_id=i, arrival_s=0.001 * i, prompt_len=9 + i, output_len=3) for i in range(3)]
     simulation = simulate(requests, scheduler, step_time_s)
-    return [iteration_row(i, output, step_time_s(output)) for i, output in enumerate(simulation.iterations)]
+    return [
+        iteration_row(i, output, step_time_s(output), kv_bytes_per_token=512.0)
+        for i, output in enumerate(simulation.iterations)
+    ]
 
 
 @pytest.fixture
@@ -94,6 +98,15 @@ def test_rows_round_trip_with_their_values_and_types(run_dir):
     assert requests_df["tpot_ms"].dtype == "float64" and pd.isna(requests_df["tpot_ms"].iloc[0])
     assert requests_df["prompt_len"].dtype == "Int64" and requests_df["itl_ms"].iloc[0] == []
     assert iterations_df["kv_used_blocks"].dtype == "Int64" and iterations_df["step_ms"].dtype == "float64"
+    assert (iterations_df["kv_allocated_bytes"] == iterations_df["kv_allocated_tokens"] * 512.0).all()
+
+
+def test_an_iteration_without_bytes_per_token_has_null_bytes(run_dir):
+    row = iteration_row(0, simulate_one_output(), step_s=1e-3)
+    with ServeRunWriter(run_dir) as writer:
+        writer.add_iteration(row)
+    _, iterations, _ = load_run(run_dir)
+    assert iterations["kv_live_bytes"].isna().all() and iterations["kv_live_tokens"].notna().all()
 
 
 def test_flush_every_two_makes_three_parts_in_request_order(run_dir):
@@ -161,3 +174,16 @@ def test_a_folder_that_already_holds_a_run_is_refused(run_dir):
         writer.add_request(request_row(records(1)[0]))
     with pytest.raises(ConfigError, match="run_id: .* already holds a serving run"):
         ServeRunWriter(run_dir)
+
+
+def test_a_part_written_before_a_nullable_column_existed_loads_it_as_null(run_dir):
+    row = iteration_row(0, simulate_one_output(), step_s=1e-3, kv_bytes_per_token=2.0)
+    with ServeRunWriter(run_dir) as writer:
+        writer.add_iteration(row)
+    part = run_dir / "iterations-00000.parquet"
+    pq.write_table(pq.read_table(part).drop_columns(["kv_live_bytes", "kv_allocated_bytes"]), part)  # an older part
+    _, iterations, _ = load_run(run_dir)
+    assert iterations["kv_live_bytes"].isna().all() and len(iterations) == 1
+    pq.write_table(pq.read_table(part).drop_columns(["kv_live_tokens"]), part)  # a required column: not a part
+    with pytest.raises(ValueError, match="not a iterations part"):
+        load_run(run_dir)

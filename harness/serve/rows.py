@@ -13,6 +13,7 @@ values a part happened to hold (a part of one-token outputs has tpot_ms all null
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -74,6 +75,8 @@ ITERATION_SCHEMA = pa.schema(  # iteration_row's keys, plus run_id
             "kv_allocated_tokens",
         )
     ]
+    # The same two in bytes at the pool's format (scales included), null when the producer does not know it
+    + [pa.field("kv_live_bytes", F64), pa.field("kv_allocated_bytes", F64)]
 )
 # The run row: metrics.run_metrics' keys, plus run_id and config_json. Its p<P>_<metric>_ms columns follow the
 # percentiles the run asked for, so they are added per row (float64, nullable) rather than fixed here.
@@ -111,10 +114,19 @@ def serve_run_dir(results_dir: str | Path, run_id: str) -> Path:
     return Path(results_dir) / SERVE_DIR / run_id
 
 
-def iteration_row(index: int, output: SchedulerOutput, step_s: float, *, scheduler_s: float = 0.0) -> dict:
+def iteration_row(
+    index: int,
+    output: SchedulerOutput,
+    step_s: float,
+    *,
+    scheduler_s: float = 0.0,
+    kv_bytes_per_token: float | None = None,
+) -> dict:
     """One scheduler iteration's row: time_s is when it was scheduled (the engine's clock, seconds), step_ms how
     long its forward took, scheduler_ms the host time of its schedule() and update(); the KV figures are the pool
-    after this iteration's allocation."""
+    after this iteration's allocation, in bytes too when kv_bytes_per_token (the pool's bytes per token slot) is
+    given."""
+    per_token = math.nan if kv_bytes_per_token is None else kv_bytes_per_token
     return {
         "iteration": index,
         "time_s": output.now_s,
@@ -130,6 +142,8 @@ def iteration_row(index: int, output: SchedulerOutput, step_s: float, *, schedul
         "kv_cached_blocks": output.kv.blocks_cached,
         "kv_live_tokens": output.kv.tokens_live,
         "kv_allocated_tokens": output.kv.tokens_allocated,
+        "kv_live_bytes": output.kv.tokens_live * per_token,
+        "kv_allocated_bytes": output.kv.tokens_allocated * per_token,
     }
 
 
@@ -247,6 +261,15 @@ def _frame(tables: list[pa.Table], schema: pa.Schema) -> pd.DataFrame:
     return frame
 
 
+def _conform(part: pa.Table, schema: pa.Schema) -> pa.Table:
+    """A part in this schema: a nullable column added since the part was written loads as null (older runs stay
+    readable); anything else missing or uncastable is not a part of this table."""
+    for field in schema:
+        if field.name not in part.column_names and field.nullable:
+            part = part.append_column(field, pa.nulls(len(part), type=field.type))
+    return part.select(schema.names).cast(schema)
+
+
 def load_run(run_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict | None]:
     """(requests, iterations, run row): the parts concatenated in order; run row None for a run that never closed."""
     run_dir = Path(run_dir)
@@ -257,8 +280,8 @@ def load_run(run_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict | No
         parts = []
         for path in _parts(run_dir, table):
             try:
-                parts.append(pq.read_table(path).cast(SCHEMAS[table]))
-            except (pa.ArrowInvalid, OSError, ValueError) as exc:
+                parts.append(_conform(pq.read_table(path), SCHEMAS[table]))
+            except (pa.ArrowInvalid, OSError, ValueError, KeyError) as exc:
                 raise ValueError(f"{path}: not a {table} part: {exc}") from None
         frames.append(_frame(parts, SCHEMAS[table]))
     run_path = run_dir / RUN_FILE
