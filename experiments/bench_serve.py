@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from harness.config import device_type
 from harness.errors import ConfigError, exit_on_config_error
 from harness.model import build_model
 from harness.model_args import ModelArgs
@@ -47,6 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small", help="a preset of harness.model_args (default: small)")
     parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda if present")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--qps", type=float, default=math.inf, help="requests/s; inf: all at once (default)")
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -78,8 +80,8 @@ def stream(a: argparse.Namespace) -> tuple[list, list[list[int]], int]:
 
 
 def run_ours(a, args, ckpt: Path, requests, prompts, max_model_len: int):
-    """Our engine on the checkpoint: (records, outputs per request in order, duration_s, max running)."""
-    device = torch.device("cpu")
+    """Our engine on the checkpoint: (records, outputs per request in order, duration_s)."""
+    device = torch.device(a.device)
     model = build_model(args, weights=str(ckpt), dtype=DTYPES[a.dtype], device=device, seed=a.seed,
                         n_positions=max_model_len)  # fmt: skip
     cache, _ = build_cache("paged", args, kv_dtype=a.dtype, num_blocks=a.num_blocks, block_size=a.block_size,
@@ -110,7 +112,8 @@ def run_ours(a, args, ckpt: Path, requests, prompts, max_model_len: int):
 def run_theirs(a, ckpt: Path, requests, prompts):
     run = peer.run_transformers_cb(ckpt, requests, token_ids=prompts, num_blocks=a.num_blocks,
                                    block_size=a.block_size, max_num_seqs=a.max_num_seqs,
-                                   max_num_batched_tokens=a.max_num_batched_tokens, dtype=a.dtype)  # fmt: skip
+                                   max_num_batched_tokens=a.max_num_batched_tokens, dtype=a.dtype,
+                                   device=a.device)  # fmt: skip
     return list(run.records), list(run.output_token_ids), run.duration_s
 
 
@@ -119,7 +122,7 @@ def write_run(a, sweep_id: str, run_id: str, engine: str, records, duration_s: f
     row = run_metrics(records, duration_s)
     pool_bytes = a.num_blocks * a.block_size * kv_bytes_per_token(a.model, a.dtype)
     row |= {"sweep_id": sweep_id, "engine": engine, "strategy": "paged", "kv_dtype": a.dtype,
-            "model": a.model, "device": "cpu", "qps": float(a.qps), "num_blocks": a.num_blocks,
+            "model": a.model, "device": a.device, "qps": float(a.qps), "num_blocks": a.num_blocks,
             "block_size": a.block_size, "kv_budget_bytes": pool_bytes, "num_iterations": None,
             "predicted_max_running": None,
             "mean_kv_utilization": None, "peak_kv_utilization": None, "mean_step_ms": None,
@@ -152,6 +155,7 @@ def medians(rows: list[dict]) -> dict:
 @exit_on_config_error
 def main(argv=None) -> None:
     a = parse_args(argv)
+    a.device = device_type(a.device)
     requests, prompts, max_model_len = stream(a)
     args = ModelArgs.from_name(a.model)
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -122,7 +122,8 @@ def group_options(group: str) -> list[str]:
     "override",
     [f"model={m}" for m in group_options("model")]
     + [f"cache={c}" for c in group_options("cache")]
-    + [f"experiment={e}" for e in group_options("experiment") if "gpu" not in e],
+    # serve-* presets are the serving app's (conf/serve.yaml): tests/test_serve_experiment.py plans each one
+    + [f"experiment={e}" for e in group_options("experiment") if "gpu" not in e and not e.startswith("serve-")],
 )
 def test_every_config_group_option_composes_into_a_valid_run_config(override):
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
