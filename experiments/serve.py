@@ -33,7 +33,7 @@ from harness.serve import capacity
 from harness.serve.engine import SERVE_KV_DTYPES, SERVE_STRATEGIES, Engine, build_cache, serve
 from harness.serve.kv_manager import make_kv_manager, num_blocks_for
 from harness.serve.metrics import parse_slo_ms, request_row, run_metrics
-from harness.serve.requests import RequestSpec, generate, prompt_token_ids, read_trace
+from harness.serve.requests import RequestSpec, describe, generate, prompt_token_ids, read_trace
 from harness.serve.rows import ServeRunWriter, iteration_row, serve_run_dir
 from harness.serve.scheduler import Scheduler, SchedulerConfig
 
@@ -239,7 +239,8 @@ def run(p: Plan, *, run_dir: Path, sweep_id: str) -> dict:
             "kv_dtype": p.kv_dtype,
             "model": args.name,
             "device": p.device,
-            "qps": float(cfg.qps) if cfg.trace is None else math.nan,
+            # a trace's offered rate: its requests over its last arrival (inf when all arrive at 0)
+            "qps": float(cfg.qps) if cfg.trace is None else describe(p.requests)["offered_qps"],
             "num_blocks": p.num_blocks,
             "block_size": cfg.block_size,
             "kv_budget_bytes": p.budget.kv_bytes,

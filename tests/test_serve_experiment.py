@@ -77,6 +77,16 @@ def test_prompts_cut_from_a_tokenized_text_are_checked_against_the_stream_and_th
         app.plan(config(*TINY, "kv_memory_gb=0.01", "prompt_len=40", f"text_ids={ids}"))
 
 
+def test_a_trace_run_records_the_traces_offered_rate(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    lines = [{"arrival_s": 0.1 * i, "prompt_len": 12 + i, "output_len": 3} for i in range(5)]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    p = app.plan(config(*TINY, "kv_memory_gb=0.002", f"trace={trace}"))
+    row = app.run(p, run_dir=serve_run_dir(tmp_path, "trace"), sweep_id="s")
+    assert row["completed"] == 5 and row["qps"] == pytest.approx(5 / 0.4)  # 5 requests, the last at 0.4 s
+    assert load_run(serve_run_dir(tmp_path, "trace"))[2]["qps"] == pytest.approx(12.5)
+
+
 def test_bad_input_from_the_command_line_is_one_line_and_writes_nothing(tmp_path):
     result = cli(tmp_path, *TINY, "kv_memory_gb=0.01", "tpot_slo_ms=fast")
     assert result.returncode == 2
