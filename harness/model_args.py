@@ -36,8 +36,23 @@ class ModelArgs:
     max_seq_len: int = 4096  # the most positions the model supports
     qkv_bias: bool = False  # Qwen2 adds biases to the q, k, v projections (Qwen2 technical report, 2.1)
     tie_embeddings: bool = False  # lm_head shares the token embedding matrix
+    # MLA, multi-head latent attention (DeepSeek-V2, DeepSeek-AI 2024, section 2.1): each token's K and V are
+    # decompressed from one latent c_kv of kv_lora_rank values, plus one RoPE key of qk_rope_head_dim shared by every
+    # head; only those two are cached. None: not MLA (K/V heads as above).
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None  # MLA: None -> q is one projection (V2-Lite); else a low-rank pair (V2, V3)
+    qk_rope_head_dim: int = 0  # MLA: the RoPE part of each query/key head (64 in V2 and V3)
+    qk_nope_head_dim: int = 0  # MLA: the part without position (128), decompressed from c_kv
+    v_head_dim: int = 0  # MLA: each head's value width (128), decompressed from c_kv
+    # The feed-forward is a dense SwiGLU of the MoE's active width (routed experts per token + shared experts, times
+    # their width), standing in for DeepSeek's MoE: the same FLOPs per token, not the same weights.
+    moe_as_dense: bool = False
 
     def __post_init__(self) -> None:
+        if self.kv_lora_rank is not None:
+            # MLA's query/key heads are nope + rope wide; every head attends (MHA) once K/V are decompressed.
+            self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+            self.n_kv_heads = self.n_heads
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.head_dim is None:
@@ -58,6 +73,25 @@ class ModelArgs:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    # What the cache stores per token and layer (CacheSpec.for_model, the planner, the roofline): `cache_sides` rows
+    # (K and V; MLA: one latent row, its first kv_lora_rank values serving as V too) of `cache_heads` heads of
+    # `cache_head_dim` values. GQA: 2 x H_kv x D; MLA: 1 x 1 x (kv_lora_rank + qk_rope_head_dim).
+    @property
+    def cache_sides(self) -> int:
+        return 1 if self.is_mla else 2
+
+    @property
+    def cache_heads(self) -> int:
+        return 1 if self.is_mla else self.n_kv_heads
+
+    @property
+    def cache_head_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     @property
     def n_params(self) -> int:
@@ -175,6 +209,41 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=1000000.0,
         max_seq_len=32768,
         qkv_bias=True,
+    ),
+    # deepseek-ai/DeepSeek-V2-Lite config.json's attention (MLA, no q compression) and dense shapes; its MoE (64
+    # routed experts of 1408, 6 per token, 2 shared; layer 0 dense) as a dense FFN of the active width 8 x 1408.
+    # Its YaRN RoPE scaling (factor 40 over 4096 positions) is left out: dummy weights cost the same without it.
+    "deepseek-v2-lite": dict(
+        vocab_size=102400,
+        dim=2048,
+        n_layers=27,
+        n_heads=16,
+        intermediate_size=11264,
+        norm_eps=1e-6,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        moe_as_dense=True,
+        max_seq_len=163840,
+    ),
+    # deepseek-ai/DeepSeek-V3 config.json's attention (MLA with q_lora_rank 1536) and dense shapes; its MoE (256
+    # routed experts of 2048, 8 per token, 1 shared; layers 0-2 dense at 18432) as a dense FFN of 9 x 2048 = 18432.
+    # YaRN left out as for V2-Lite.
+    "deepseek-v3": dict(
+        vocab_size=129280,
+        dim=7168,
+        n_layers=61,
+        n_heads=128,
+        intermediate_size=18432,
+        norm_eps=1e-6,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        moe_as_dense=True,
+        max_seq_len=163840,
     ),
     # ~201M parameters: big enough that decode is memory-bound on a CPU, small enough to sweep there.
     "small": dict(
