@@ -21,7 +21,7 @@ import torch
 
 from harness import kv
 from harness.errors import ConfigError
-from harness.formats import COMPILE_MODES, COMPUTE_DTYPES, KV_DTYPES, KV_GROUP_SIZES
+from harness.formats import ATTN_IMPLS, COMPILE_MODES, COMPUTE_DTYPES, KV_DTYPES, KV_GROUP_SIZES
 from harness.model_args import PRESETS, SUPPORTED_MODEL_TYPES, ModelArgs, load_args
 
 # Compute dtypes by name (harness.formats holds their sizes, and the KV storage formats).
@@ -105,6 +105,9 @@ class Workload:
     prompt_len: int = 128  # tokens per prompt (random ids, seeded)
     gen_len: int = 32  # tokens generated per sequence, greedy, no EOS
     prefix_len: int = 0  # leading prompt tokens shared by every sequence of the batch (a system prompt)
+    # Attention: sdpa (fused kernels, no score matrix) or eager (scores [B, H, T, S] written out, softmax, a second
+    # matmul: what attention cost before FlashAttention). Eager also turns off a strategy's own decode kernels.
+    attn_impl: str = field(default="sdpa", metadata={LATER_DEFAULT: "sdpa"})
 
     def __post_init__(self) -> None:
         if isinstance(self.model, dict) and set(self.model) <= {f.name for f in dataclasses.fields(ModelConfig)}:
@@ -129,6 +132,7 @@ class Workload:
         """The checks every workload passes, planned or measured."""
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+        check_choice("attn_impl", self.attn_impl, ATTN_IMPLS)
         check_kv_layout(
             kv_group_size=self.kv_group_size,
             kv_residual=self.kv_residual,

@@ -18,6 +18,9 @@ SCALE_BYTES = 4  # quantization scales and zero points are fp32 (harness.kv.quan
 TOKEN_ID_BYTES = 8  # prompts and generated ids are int64
 KV_DTYPES = ("auto", *BITS)
 KV_GROUP_SIZES = (32, 64)  # int4: values per quantization group
+# How attention runs (harness.kv.base.attention): SDPA's fused kernels (flash or memory-efficient on CUDA, the flash
+# kernel on the CPU), or eager, which writes the scores [B, H, T, S] out as attention did before FlashAttention.
+ATTN_IMPLS = ("sdpa", "eager")
 COMPILE_MODES = ("default", "reduce-overhead")  # torch.compile's modes a decode step can take here ("none": eager)
 
 # The strategy whose K/V are exact at the compute dtype: a lossy point's accuracy reference (harness.run.bench) and

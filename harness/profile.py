@@ -13,7 +13,7 @@ What time is classified, and why it is never counted twice:
                  launch-bound step shows as `prof_step_classified_ms` well under `tpot_ms`.
 
 How a CPU op or a CUDA kernel (seen through the CPU op that launched it) gets its category, by `classify`:
-    1. scope: the innermost enclosing `kvbench::` label (`LABELS`, placed in harness.kv.quant and harness.decode)
+    1. scope: the innermost enclosing `kvbench::` label (`LABELS`, placed in harness.kv.quant, harness.kv.base and harness.decode)
        or attention op (`aten::scaled_dot_product_attention` and its backends, or the Triton decode kernels' custom
        op `kvbench::paged_decode`) claims everything inside it, so a `mul` that quantizes K is KV time and a `bmm`
        in SDPA's math fallback is attention time;
@@ -54,7 +54,13 @@ TOP_OPS_COLUMNS = ("op", "category", "self_time_ms", "calls", "share")
 
 # The record_function labels on the hot path and what they claim. Each costs a few µs per call even with no profiler
 # running, so there are few: 2 per layer (KV write, KV read) and 1 per step (sampling).
-LABELS = {"kvbench::kv_write": "kv", "kvbench::kv_read": "kv", "kvbench::sampling": "sampling"}
+# harness.kv.base.eager_attention adds one per layer, only when attn_impl=eager: its matmuls are attention's.
+LABELS = {
+    "kvbench::kv_write": "kv",
+    "kvbench::kv_read": "kv",
+    "kvbench::sampling": "sampling",
+    "kvbench::attention": "attention",
+}
 # The torch custom ops the harness registers in the same namespace (harness.kv.triton_paged.OP_NAME): the profiler
 # records them as ops, not labels, and NAME_RULES classify them.
 OPS = ("kvbench::paged_decode",)

@@ -41,6 +41,14 @@ Bytes, first order (every tensor crosses HBM once per step; on-chip caches such 
                   token) and lm_head's input and logits (dim + V per sequence). About 5 MB a token for Llama-3.1-8B
                   in bf16: nothing beside 15 GB of weights at batch 1, 8% of a step at batch 256.
 
+Eager attention (attn_impl=eager, harness.kv.base.eager_attention) computes the whole [T, S] rectangle of scores, the
+masked pairs included (attention FLOPs 4·L·H·D per pair of the rectangle at prefill; a decode query sees every key
+either way), and moves them through memory, which SDPA's fused kernels (FlashAttention, Dao et al. 2022) never do:
+    scores        per pair, head and layer: the scores written (b) and read by softmax (b), softmax's fp32 output
+                  written and read by its cast back (4 + 4, none at fp32), the probabilities written (b) and read by
+                  p·v (b); a mask (prefill) adds masked_fill's read and write (2·b). At fp32 that is the scores
+                  written twice and read twice, 16 bytes per pair; in bf16 also 16 (8 of them fp32). score_bytes.
+
 Strategies: what each reads is its layout's answer (harness/kv/<name>.py: LAYOUT, a harness.kv.base.Layout).
     keys_attended     the keys one query reads: every key 0..pos by default (contiguous, paged, prefix, offload;
                       paged is modelled as a kernel that reads its blocks in place, the CPU path gathers them into a
@@ -72,7 +80,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
-from harness.formats import BITS, PLAIN, SCALE_BYTES
+from harness.formats import ATTN_IMPLS, BITS, PLAIN, SCALE_BYTES
 from harness.kv.base import Layout
 
 if TYPE_CHECKING:
@@ -91,10 +99,11 @@ class StepCost:
     kv_read_bytes: float  # cached K/V read by attention, at kv_dtype with scales, H_kv heads
     kv_write_bytes: float  # the new tokens' K/V written to the cache
     activation_bytes: float  # each matmul's input read and output written once, at the compute dtype
+    score_bytes: float = 0.0  # eager attention's scores and probabilities through memory (0 for sdpa)
 
     @property
     def bytes(self) -> float:
-        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes + self.activation_bytes
+        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes + self.activation_bytes + self.score_bytes
 
     @property
     def arithmetic_intensity(self) -> float:
@@ -133,6 +142,18 @@ def _lm_head_flops_per_sequence(args: ModelArgs) -> float:
 def _attention_flops_per_key(args: ModelArgs) -> float:
     """One query against one key in every layer: q·k and p·v over H query heads of D."""
     return 4 * args.n_layers * args.n_heads * args.head_dim
+
+
+def eager_score_bytes_per_pair(dtype: str, *, masked: bool) -> float:
+    """Bytes eager attention moves per (query, key) pair, head and layer (module docstring: scores)."""
+    b = _weight_dtype_bytes(dtype)
+    cast = 0 if b == 4 else 4 + 4  # softmax's fp32 output, written then read by the cast back to b
+    return b + b + cast + b + b + (2 * b if masked else 0)
+
+
+def _check_attn_impl(attn_impl: str) -> None:
+    if attn_impl not in ATTN_IMPLS:
+        raise ValueError(f"attn_impl: unknown {attn_impl!r}; allowed: {', '.join(ATTN_IMPLS)}")
 
 
 def _weight_bytes(args: ModelArgs, dtype: str, n_tokens: int) -> float:
@@ -194,6 +215,7 @@ def prefill_cost(
     layout: Layout = DENSE,
     prefix_cached: int = 0,
     kv_group_size: int = 32,
+    attn_impl: str = "sdpa",
 ) -> StepCost:
     """The prefill forward of B prompts of prompt_len tokens, of which the first prefix_cached are already cached.
 
@@ -204,15 +226,22 @@ def prefill_cost(
                    harness's strategies attend after storing
         KV written B·tokens_written(T)·kv_bytes_per_token_read: a ring keeps only the last `window` of a long prompt
     A layout that recomputes (`none`) keeps no cache: KV read and written are 0, its K/V count as activations, and
-    prefix_cached must be 0.
+    prefix_cached must be 0. Eager attention: pairs = T·(keys visible), the whole rectangle, and score_bytes
+    B·pairs·L·H·eager_score_bytes_per_pair.
     """
     _check(batch_size)
+    _check_attn_impl(attn_impl)
     if not 0 <= prefix_cached < prompt_len:
         raise ValueError(f"prefix_cached: must be in 0..prompt_len-1={prompt_len - 1}, got {prefix_cached}")
     if layout.recomputes_prefix and prefix_cached:
         raise ValueError(f"prefix_cached: `{layout.name}` caches nothing, so no prefix can be cached")
     n_new = prompt_len - prefix_cached
     pairs = layout.causal_pairs(prefix_cached + 1, prompt_len)
+    score_bytes = 0.0
+    if attn_impl == "eager":  # every query against every visible key, masked or not
+        pairs = n_new * layout.keys_attended(prompt_len)
+        per_pair = eager_score_bytes_per_pair(dtype, masked=n_new > 1)
+        score_bytes = batch_size * pairs * args.n_layers * args.n_heads * per_pair
     flops = batch_size * (
         n_new * _matmul_flops_per_token(args)
         + pairs * _attention_flops_per_key(args)
@@ -235,6 +264,7 @@ def prefill_cost(
         activation_bytes=_activation_bytes(
             args, dtype, n_tokens=batch_size * n_new, n_sequences=batch_size, n_recomputed_keys=recomputed_keys
         ),
+        score_bytes=score_bytes,
     )
 
 
@@ -247,6 +277,7 @@ def decode_step_cost(
     kv_dtype: str,
     layout: Layout = DENSE,
     kv_group_size: int = 32,
+    attn_impl: str = "sdpa",
 ) -> StepCost:
     """One decode step of B sequences whose new token attends to context_len keys, itself included.
 
@@ -256,16 +287,19 @@ def decode_step_cost(
         weights    all layers + lm_head + B embedding rows, at the compute dtype
         KV read    B·S_att·kv_bytes_per_token_read (the new token's K/V is written, then read back with the rest)
         KV written B·kv_bytes_per_token_read
+        scores     eager only: B·S_att·L·H·eager_score_bytes_per_pair (no mask)
     A layout that recomputes (`none`): prefill_cost over context_len tokens (every step recomputes the whole
     sequence so far).
     """
     _check(batch_size)
+    _check_attn_impl(attn_impl)
     if context_len < 1:
         raise ValueError(f"context_len: must be at least 1 (the new token), got {context_len}")
     if layout.recomputes_prefix:
         return prefill_cost(
-            args, batch_size=batch_size, prompt_len=round(context_len), dtype=dtype, kv_dtype=kv_dtype, layout=layout
-        )
+            args, batch_size=batch_size, prompt_len=round(context_len), dtype=dtype, kv_dtype=kv_dtype, layout=layout,
+            attn_impl=attn_impl,
+        )  # fmt: skip
     attended = layout.keys_attended(context_len)
     per_token = kv_bytes_per_token_read(args, kv_dtype, kv_group_size)
     flops = batch_size * (
@@ -278,6 +312,11 @@ def decode_step_cost(
         kv_write_bytes=batch_size * per_token,
         activation_bytes=_activation_bytes(
             args, dtype, n_tokens=batch_size, n_sequences=batch_size, n_recomputed_keys=0
+        ),
+        score_bytes=(
+            batch_size * attended * args.n_layers * args.n_heads * eager_score_bytes_per_pair(dtype, masked=False)
+            if attn_impl == "eager"
+            else 0.0
         ),
     )
 
@@ -299,6 +338,7 @@ def mean_decode_cost(
     kv_dtype: str,
     layout: Layout = DENSE,
     kv_group_size: int = 32,
+    attn_impl: str = "sdpa",
 ) -> StepCost:
     """The mean over the timed decode steps (decode_contexts), the step TPOT measures: exact for every strategy,
     where evaluating at the mean context would not be under a window cap or `none`'s quadratic attention."""
@@ -312,6 +352,7 @@ def mean_decode_cost(
                 kv_dtype=kv_dtype,
                 layout=layout,
                 kv_group_size=kv_group_size,
+                attn_impl=attn_impl,
             )
             for context_len in decode_contexts(prompt_len, gen_len)
         ]

@@ -61,6 +61,7 @@ def critical_batch(
     peak_tflops: float,
     layout: Layout = DENSE,
     kv_group_size: int = 32,
+    attn_impl: str = "sdpa",
 ) -> int | None:
     """B*: the smallest batch whose decode step at context_len reaches the ridge point; None if no batch does.
 
@@ -78,6 +79,7 @@ def critical_batch(
             kv_dtype=kv_dtype,
             layout=layout,
             kv_group_size=kv_group_size,
+            attn_impl=attn_impl,
         )
         for batch_size in (1, 2)
     ]
@@ -93,6 +95,7 @@ def critical_context(
     peak_tflops: float,
     layout: Layout = DENSE,
     kv_group_size: int = 32,
+    attn_impl: str = "sdpa",
 ) -> float:
     """S*: the context beyond which decode cannot reach the ridge point at any batch; math.inf if it never binds.
 
@@ -117,6 +120,7 @@ def critical_context(
                 kv_dtype=kv_dtype,
                 layout=layout,
                 kv_group_size=kv_group_size,
+                attn_impl=attn_impl,
             )
             for batch_size in (1, 2)
         )
@@ -167,7 +171,13 @@ def roofline_columns(
     Columns that need tpot_ms or the peaks are None when those are missing (None, NaN or 0).
     """
     args, layout, batch_size, prompt_len, gen_len = w.model_args(), w.layout(), w.batch_size, w.prompt_len, w.gen_len
-    shape = dict(dtype=w.dtype, kv_dtype=w.kv_dtype_name, layout=layout, kv_group_size=w.kv_group_size)
+    shape = dict(
+        dtype=w.dtype,
+        kv_dtype=w.kv_dtype_name,
+        layout=layout,
+        kv_group_size=w.kv_group_size,
+        attn_impl=w.attn_impl,
+    )
     decode = mean_decode_cost(args, batch_size=batch_size, prompt_len=prompt_len, gen_len=gen_len, **shape)
     cached = layout.prefix_tokens(w)
     prefill = prefill_cost(args, batch_size=batch_size, prompt_len=prompt_len, prefix_cached=cached, **shape)

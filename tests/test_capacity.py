@@ -257,15 +257,19 @@ class PeakLiveBytes(TorchDispatchMode):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "kv_dtype", "cache", "options", "prompt_len", "gen_len"),
+    ("dtype", "kv_dtype", "cache", "options", "prompt_len", "gen_len", "attn_impl"),
     [
-        ("fp32", "fp32", "contiguous", {}, 256, 4),
-        ("bf16", "bf16", "paged", {"block_size": 16}, 250, 40),
-        ("fp32", "int8", "contiguous", {}, 256, 4),
-        ("fp32", "fp32", "sliding", {"window": 64, "sinks": 4}, 256, 4),  # the band mask, held through the layers
+        ("fp32", "fp32", "contiguous", {}, 256, 4, "sdpa"),
+        ("bf16", "bf16", "paged", {"block_size": 16}, 250, 40, "sdpa"),
+        ("fp32", "int8", "contiguous", {}, 256, 4, "sdpa"),
+        ("fp32", "fp32", "sliding", {"window": 64, "sinks": 4}, 256, 4, "sdpa"),  # the band mask, held through layers
+        ("fp32", "fp32", "contiguous", {}, 256, 4, "eager"),  # the scores [B, H, T, S], written out
+        ("bf16", "bf16", "paged", {"block_size": 16}, 250, 40, "eager"),
     ],
 )
-def test_prefill_activations_match_the_tensors_the_forward_holds(dtype, kv_dtype, cache, options, prompt_len, gen_len):
+def test_prefill_activations_match_the_tensors_the_forward_holds(
+    dtype, kv_dtype, cache, options, prompt_len, gen_len, attn_impl
+):
     live = malloc_live_bytes_probe()
     if live is None:
         pytest.skip("needs glibc's mallinfo2")
@@ -274,8 +278,9 @@ def test_prefill_activations_match_the_tensors_the_forward_holds(dtype, kv_dtype
 
     def spec(kv_dtype: str) -> CacheSpec:
         return CacheSpec.for_model(
-            ACTIVATION_ARGS, batch_size=batch, max_tokens=max_tokens, kv_dtype=kv_dtype, device=CPU, dtype=dtype
-        )
+            ACTIVATION_ARGS, batch_size=batch, max_tokens=max_tokens, kv_dtype=kv_dtype, device=CPU, dtype=dtype,
+            attn_impl=attn_impl,
+        )  # fmt: skip
 
     prompt = torch.randint(ACTIVATION_ARGS.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -285,7 +290,7 @@ def test_prefill_activations_match_the_tensors_the_forward_holds(dtype, kv_dtype
             prefill(model, measured_cache, prompt)
     workload = Workload(
         ACTIVATION_ARGS, dtype=dtype, kv_dtype=kv_dtype, cache={"name": cache, **options}, prompt_len=prompt_len,
-        gen_len=gen_len, batch_size=batch,
+        gen_len=gen_len, batch_size=batch, attn_impl=attn_impl,
     )  # fmt: skip
     predicted = activations.prefill_activation_bytes(workload)
     assert abs(predicted - tracked.peak) <= 0.02 * tracked.peak + 2**20, (predicted, tracked.peak)

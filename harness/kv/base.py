@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from harness.errors import Unsupported
 from harness.formats import BITS, DTYPE_BYTES, PER_TOKEN_SCALED, SCALE_BYTES
@@ -47,6 +48,7 @@ class CacheSpec:
     kv_residual: int = 0  # int4: the most recent tokens kept in full precision (KIVI's residual)
     prefix_len: int = 0  # leading prompt tokens every sequence of the batch shares (a system prompt)
     dtype: str | None = None  # the model's compute dtype name, when the caller knows it
+    attn_impl: str = "sdpa"  # harness.formats.ATTN_IMPLS: SDPA's fused kernels, or eager's materialized scores
 
     @classmethod
     def for_model(cls, args, *, batch_size: int, max_tokens: int, kv_dtype: str, device: torch.device, **quant):
@@ -115,10 +117,11 @@ class KVCache(Protocol):
 
 
 def grouped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *, impl: str = "sdpa"
 ) -> torch.Tensor:
     """q [B, H, T, D] over k, v [B, H_kv, S, D] in q's dtype, each group of G = H / H_kv query heads sharing one
     K/V head; mask [T, S] bool (True = attend), or None when every query sees every key. Returns [B, H, T, D].
+    impl "eager": eager_attention's materialized scores instead of SDPA.
 
     GQA is folded into the query axis: [B, H, T, D] -> [B, H_kv, G*T, D] (query head h = h_kv * G + g, the grouping
     of SDPA's enable_gqa) and the mask repeated to [G*T, S], so SDPA sees equal head counts and needs no enable_gqa.
@@ -139,31 +142,54 @@ def grouped_attention(
     group = n_heads // n_kv_heads
     folded_q = q.reshape(batch, n_kv_heads, group * n_new, head_dim)  # copies q when it is a transposed view
     folded_mask = mask if mask is None or group == 1 else mask.repeat(group, 1)  # row g*T + t is query t
-    out = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=folded_mask)
+    if impl == "eager":
+        out = eager_attention(folded_q, k, v, mask=folded_mask)
+    else:
+        out = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=folded_mask)
     return out.view(batch, n_heads, n_new, head_dim)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention as it ran before FlashAttention (Dao et al. 2022): the scores written out, then softmax, then a
+    second matmul. q [B, H, T, D], k and v [B, H, S, D] (GQA already folded), mask [T, S] bool or None -> [B, H, T, D].
+
+    Per layer it materializes the scores [B, H, T, S] and the probabilities [B, H, T, S], both in the compute dtype:
+    written, read by softmax, written, read by p·v (4 passes over T·S values per head; a mask adds a read and a
+    write), which SDPA's fused kernels never do. softmax itself runs in fp32 as transformers' eager path does
+    (`eager_attention_forward`: softmax(dtype=float32) then cast back), so its accuracy matches SDPA's; the fp32
+    softmax is a third transient of [B, H, T, S] · 4 bytes while it runs. Labelled `kvbench::attention`, so the
+    profiler counts its matmuls as attention, not GEMM."""
+    with record_function("kvbench::attention"):
+        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)  # [B, H, T, S]; q scaled first: T·D, not T·S
+        if mask is not None:
+            scores = scores.masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, H, T, S]
+        del scores
+        return probs @ v  # [B, H, T, D]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, *, impl: str = "sdpa") -> torch.Tensor:
     """Causal attention of T new queries at positions start_pos.. over S = start_pos + T keys.
 
     q [B, H, T, D]; k, v [B, H_kv, S, D] in any storage dtype (cast to q's); returns [B, H, T, D].
     GQA/MQA: each group of H / H_kv query heads shares one K/V head (Ainslie et al. 2023).
+    impl: "sdpa" (fused kernels) or "eager" (eager_attention: the scores materialized), harness.formats.ATTN_IMPLS.
     """
     n_new, n_keys = q.shape[2], k.shape[2]
     assert n_keys == start_pos + n_new, f"cache holds {n_keys} keys, expected {start_pos + n_new}"
     k, v = k.to(q.dtype), v.to(q.dtype)
     if n_new == 1:
         # One decode token sees every key: no mask, and GQA folded so every K/V head is read once for its group.
-        return grouped_attention(q, k, v)
-    if start_pos == 0:
+        return grouped_attention(q, k, v, impl=impl)
+    if start_pos == 0 and impl != "eager":
         # Square causal: no mask tensor, so flash (which takes GQA natively) runs on CUDA in fp16/bf16. (fp32 with
         # GQA still takes the math backend on CUDA up to torch 2.13: flash takes no fp32, see grouped_attention.)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-    # Queries start mid-sequence (chunked prefill, the suffix after a cached prefix): query i sees keys
-    # 0..start_pos+i, a lower-right causal mask [T, S], which is_causal (upper-left) cannot express.
+    # Queries start mid-sequence (chunked prefill, the suffix after a cached prefix), or eager's prefill: query i
+    # sees keys 0..start_pos+i, a lower-right causal mask [T, S], which is_causal (upper-left) cannot express.
     q_pos = torch.arange(start_pos, n_keys, device=q.device)[:, None]
     k_pos = torch.arange(n_keys, device=q.device)[None, :]
-    return grouped_attention(q, k, v, mask=k_pos <= q_pos)
+    return grouped_attention(q, k, v, mask=k_pos <= q_pos, impl=impl)
 
 
 def blocks_for(n_tokens: int, block_size: int) -> int:

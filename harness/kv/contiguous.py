@@ -73,6 +73,8 @@ class ContiguousCache:
     def _kernel_reads(spec: CacheSpec) -> bool:
         if spec.device.type != "cuda" or not (spec.kv_dtype == "int8" or spec.kv_dtype in FP8):
             return False
+        if spec.attn_impl == "eager":  # the kernel is fused attention: eager materializes the scores instead
+            return False
         from harness.kv import triton_paged  # imported on CUDA only: the CPU never pays for importing triton
 
         return triton_paged.kernel_unsupported(spec.kv_dtype, spec.device) is None
@@ -153,7 +155,7 @@ class ContiguousCache:
             return self._decode_in_place(layer, q, self._lengths(n_tokens), max_len=n_tokens)
         # Read only the filled part: decode attention costs what the context costs, not what was reserved.
         k_seq, v_seq = self._gather(layer, start_pos + k.shape[2], q.dtype)
-        return attention(q, k_seq, v_seq, start_pos)
+        return attention(q, k_seq, v_seq, start_pos, impl=self.spec.attn_impl)
 
     def _attend_static(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
@@ -165,7 +167,8 @@ class ContiguousCache:
             lens = (pos + 1).to(torch.int32).expand(q.shape[0]).contiguous()  # [B]
             return self._decode_in_place(layer, q, lens, max_len=self.spec.max_tokens, n_splits=self._static_splits)
         k_all, v_all = self._gather(layer, self.spec.max_tokens, q.dtype)  # [B, H_kv, S_max, D]: the whole buffer
-        return grouped_attention(q, k_all, v_all, mask=(self._positions <= pos)[None, :])  # [1, S_max]: the filled part
+        mask = (self._positions <= pos)[None, :]  # [1, S_max]: the filled part
+        return grouped_attention(q, k_all, v_all, mask=mask, impl=self.spec.attn_impl)
 
     def _decode_in_place(
         self, layer: int, q: torch.Tensor, lens: torch.Tensor, *, max_len: int, n_splits: int | None = None

@@ -41,7 +41,7 @@ class NoCache:
         assert start_pos == 0, "without a cache every forward starts from position 0"
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
-        return attention(q, k, v, start_pos)
+        return attention(q, k, v, start_pos, impl=self.spec.attn_impl)
 
     def release(self) -> None:
         pass

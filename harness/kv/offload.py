@@ -135,7 +135,7 @@ class OffloadCache:
         if layer + 1 < self.spec.n_layers:
             self._fetch(layer + 1, n_past=start_pos)  # overlaps with this layer's attention and MLP
         kv = staged[:end].permute(1, 2, 3, 0, 4)  # [K|V, B, H_kv, S, D]
-        return attention(q, kv[0], kv[1], start_pos)
+        return attention(q, kv[0], kv[1], start_pos, impl=self.spec.attn_impl)
 
     def release(self) -> None:
         self.transfers.synchronize()

@@ -67,7 +67,7 @@ def decode_backend(spec: CacheSpec, *, static: bool = False) -> str:
     dtype; a static-shape (compiled) step never takes it, since it plans on the host every step. The kernel modules
     are imported only on CUDA: the CPU never pays for importing triton."""
     gather = "sdpa-gather-masked" if static else "sdpa-gather"
-    if spec.device.type != "cuda":
+    if spec.device.type != "cuda" or spec.attn_impl == "eager":  # eager: the scores materialized, never a kernel
         return gather
     same_dtype = spec.dtype is not None and spec.kv_dtype == spec.dtype
     if not static and spec.kv_dtype in FLASHINFER_DTYPES and same_dtype and flashinfer_installed():
@@ -267,7 +267,7 @@ class PagedCache:
             n_tokens = start_pos + 1
             return self._decode_in_place(layer, q, self._lengths(q.shape[0], n_tokens), max_len=n_tokens).unsqueeze(2)
         k_seq, v_seq = self._gather(layer, start_pos + k.shape[2], q.dtype)
-        return attention(q, k_seq, v_seq, start_pos)
+        return attention(q, k_seq, v_seq, start_pos, impl=self.spec.attn_impl)
 
     def _varlen_decode(self, layer: int, q: torch.Tensor, rows: varlen.VarlenRows) -> torch.Tensor:
         """The decoding sequences of a SeqBatch through the Triton kernel: q [b, H, D] over each one's blocks (its
@@ -297,7 +297,8 @@ class PagedCache:
             return out.unsqueeze(2)
         # Every block the table can hold, in table order, under a length mask: [B, H_kv, max_blocks * bs, D].
         k_all, v_all = self._gather(layer, self._positions.shape[0], q.dtype)
-        return grouped_attention(q, k_all, v_all, mask=(self._positions <= pos)[None, :])  # the filled part
+        mask = (self._positions <= pos)[None, :]  # the filled part
+        return grouped_attention(q, k_all, v_all, mask=mask, impl=self.spec.attn_impl)
 
     def _decode_in_place(
         self, layer: int, q: torch.Tensor, lens: torch.Tensor, *, max_len: int, n_splits: int | None = None

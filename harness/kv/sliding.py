@@ -168,10 +168,12 @@ class SlidingCache:
         if step.kind == "exact":
             self._write(layer, k, v)
             k_held, v_held = self._read(layer, q.dtype)
-            return attention(q, k_held, v_held, start_pos)
+            return attention(q, k_held, v_held, start_pos, impl=self.spec.attn_impl)
         if step.kind == "all":
             self._write(layer, k, v)
-            return grouped_attention(q, *self._read(layer, q.dtype))  # one query, every held key: no mask
+            return grouped_attention(
+                q, *self._read(layer, q.dtype), impl=self.spec.attn_impl
+            )  # one query, all keys held
         # Banded: read before writing, since the new tokens may overwrite slots the earlier queries still see. The
         # new K/V go through the storage format too, so they are the values a token-by-token decode would read back.
         k_old, v_old = self._read(layer, q.dtype)
@@ -179,7 +181,7 @@ class SlidingCache:
         keys = torch.cat([k_old, k_new], dim=2)  # [B, H_kv, S_old + T, D]
         values = torch.cat([v_old, v_new], dim=2)
         # GQA folded into the query axis, never a mask with enable_gqa (the math backend on CUDA: grouped_attention)
-        out = grouped_attention(q, keys, values, mask=step.mask)
+        out = grouped_attention(q, keys, values, mask=step.mask, impl=self.spec.attn_impl)
         self._write(layer, k, v)
         return out
 

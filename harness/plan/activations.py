@@ -6,6 +6,9 @@ tensors (4 × F values per token) sit beside the residual stream (3 × dim) at t
 only the strategy's read-back transients (paged gathers, dequantization) over the whole context. Also the token ids
 (int64). What a strategy adds (its transients, a mask it holds, recomputing without a cache) is its layout's answer
 (harness.kv.base.Layout), checked against the real forward by tests/test_capacity.py.
+
+attn_impl=eager materializes what the fused kernels never hold: the scores and probabilities [B, H, T, S] of one
+layer at a time (harness.kv.base.eager_attention), quadratic in the prompt at prefill.
 """
 
 from __future__ import annotations
@@ -55,7 +58,10 @@ def forward_bytes(w: Workload, *, n_seqs: int, n_new: int, n_keys: int) -> int:
         rope     x, the norm's output, qkv (2·d + q + 2·k) + rotating q: x·cos, cat(-x2, x1), (.)·sin (3·q)
         attend   x, norm out, qkv, rotated q and k (2·d + 2·q + 3·k) + the strategy's write or read-back
                  transients (Layout.transients), then the attention output (q) and its fp32 logsumexp (H·4), and
-                 a causal mask offset by start_pos ([T, S] bool, harness.kv.base.attention) when T < S
+                 a causal mask offset by start_pos ([T, S] bool, harness.kv.base.attention) when T < S;
+                 eager instead: q scaled (q), the scores (b) beside softmax's fp32 output (4) and its cast to b
+                 (none at fp32) per head and (query, key) pair, and the mask [T, S] with its folded, inverted copies
+                 [G·T, S] whenever T > 1
         wo       2·d + 2·q + 3·k + attention output (q) + wo's output (d)
         mlp      x, h, ffn_norm(h) (3·d) + gate|up (2·F) + silu(gate) (F) + silu·up (F)
         logits   the last layer's output (d: x[:, -1:] keeps its storage) + B × vocab logits
@@ -69,6 +75,11 @@ def forward_bytes(w: Workload, *, n_seqs: int, n_new: int, n_keys: int) -> int:
     write, read_peak, read_result = layout.transients(w, n_seqs=n_seqs, n_new=n_new, n_keys=n_keys)
     attention_out = n * (q * b + args.n_heads * 4)
     mask = n_new * n_keys if 1 < n_new < n_keys else 0  # bool [T, S], for queries that start mid-sequence
+    if w.attn_impl == "eager":  # harness.kv.base.eager_attention
+        group = args.n_heads // args.n_kv_heads
+        per_pair = b + 4 + (b if b != 4 else 0)  # scores, softmax's fp32 output, its cast (none for fp32)
+        attention_out = n * q * b + n_seqs * args.n_heads * n_new * n_keys * per_pair + n * q * b
+        mask = n_new * n_keys * (1 + (2 * group if group > 1 else 1)) if n_new > 1 else 0
     held, building = layout.step_mask_bytes(w, n_new=n_new, n_keys=n_keys)
     norm = 16 * d if b == 4 else 2 * d * b + 8 * d
     attend_live = n * (2 * d + 2 * q + 3 * k) * b

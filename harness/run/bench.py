@@ -131,7 +131,10 @@ def run_point(cfg: RunConfig) -> PointResult:
     # The seed notes' formula, for the full length this point reserves: 2 x layers x tokens x kv_heads x head_dim
     # x bytes x batch. Contiguous storage must equal it exactly; the test suite holds it to that.
     row["kv_bytes_predicted"] = int(spec.batch_size * spec.max_tokens * spec.bytes_per_token)
-    row["attn_backend"] = cache.attn_backend  # the decode attention that ran: a strategy with its own kernel says which
+    # The decode attention that ran: a strategy with its own kernel says which. Eager replaces SDPA wherever the
+    # strategy calls it (and turns its kernels off): "sdpa-gather" ran as "eager-gather".
+    backend = cache.attn_backend
+    row["attn_backend"] = backend.replace("sdpa", "eager", 1) if cfg.attn_impl == "eager" else backend
     row["output_digest"] = digest(outputs[-1])
     row["status"] = "ok"
     if cfg.compile == "reduce-overhead":
@@ -187,6 +190,7 @@ def cache_spec(cfg: RunConfig) -> CacheSpec:
         kv_residual=cfg.kv_residual,
         prefix_len=cfg.prefix_len,
         dtype=cfg.dtype,
+        attn_impl=cfg.attn_impl,
     )
 
 
@@ -288,6 +292,7 @@ def config_columns(cfg: RunConfig) -> dict:
         "weights": cfg.weights,
         "runner": "kvbench",
         "compile": cfg.compile,
+        "attn_impl": cfg.attn_impl,
         "seed": cfg.seed,
         "max_memory_gb": cfg.max_memory_gb,
         # Everything, as resolved: `kvbench-results diff` lists what changed between two rows.

@@ -21,6 +21,8 @@ import pyarrow.parquet as pq
 from harness.store.atomic import atomic_write
 from harness.store.schema import COLUMNS, FRONTIER_COLUMNS, SCHEMA_VERSION, arrow_schema, frontier_arrow_schema
 
+ABSENT = {column.name: column.absent for column in COLUMNS}  # what a file without the column had in it
+
 logger = logging.getLogger(__name__)
 
 # A point_id becomes a file name: keep it to characters that are safe everywhere, and never hidden.
@@ -242,6 +244,8 @@ def conform(table: pa.Table, source: Path) -> pa.Table:
                 column = column.cast(field.type)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
                 raise ValueError(f"{source}: column {field.name!r} cannot be read as {field.type}: {exc}") from None
+        elif ABSENT.get(field.name) is not None:  # a value every older row had, known
+            column = pa.array([ABSENT[field.name]] * table.num_rows, type=field.type)
         else:
             column = pa.nulls(table.num_rows, type=field.type)
         arrays.append(column)

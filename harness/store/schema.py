@@ -36,6 +36,7 @@ WORKLOAD_COLUMNS = (
     "prefix_len",
     "lengths",
     "compile",
+    "attn_impl",
     "runner",
     "loop",
 )
@@ -59,6 +60,9 @@ class Column:
     type: str  # one of _ARROW_TYPES
     unit: str  # "" when the value has none (names, counts, ratios)
     description: str
+    # The value of a row recorded before the column existed, when it is known (attn_impl: every such row ran
+    # SDPA); None: unknown, a null.
+    absent: str | None = None
 
     def __post_init__(self) -> None:
         if self.type not in _ARROW_TYPES:
@@ -113,7 +117,18 @@ COLUMNS: tuple[Column, ...] = (
     ),
     Column("compile", "string", "", "torch.compile mode of the decode step: none, default or reduce-overhead"),
     Column(
-        "attn_backend", "string", "", "Attention implementation of the decode step: sdpa, triton-paged, flashinfer, ..."
+        "attn_impl",
+        "string",
+        "",
+        "How attention ran: sdpa (fused kernels, no score matrix) or eager (scores [B, H, T, S] written out, softmax, "
+        "a second matmul)",
+        absent="sdpa",
+    ),
+    Column(
+        "attn_backend",
+        "string",
+        "",
+        "Attention implementation of the decode step: sdpa, triton-paged, flashinfer, eager, eager-gather, ...",
     ),
     Column(
         "cudagraph_skips",
