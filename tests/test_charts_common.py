@@ -13,7 +13,7 @@ import pytest
 
 from dashboard.charts.common import MissingColumns
 from dashboard.charts.crossover import batch_sweep, crossover_caption
-from dashboard.charts.latency import itl_curves, tpot_percentiles, ttft_vs_prompt
+from dashboard.charts.latency import itl_curves, peak_memory_vs_prompt, tpot_percentiles, ttft_vs_prompt
 from dashboard.charts.memory import frontier, memory_ledger
 from dashboard.charts.profile import profile_shares, top_ops
 from dashboard.charts.roofline import roofline
@@ -30,6 +30,7 @@ FIGURES = {
     "memory_ledger": memory_ledger,
     "strategy_pareto": strategy_pareto,
     "ttft_vs_prompt": ttft_vs_prompt,
+    "peak_memory_vs_prompt": peak_memory_vs_prompt,
     "itl_curves": itl_curves,
     "tpot_percentiles": tpot_percentiles,
     "profile_shares": profile_shares,

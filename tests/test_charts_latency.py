@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dashboard.charts.latency import itl_curves, tpot_percentiles, ttft_vs_prompt
+from dashboard.charts.latency import itl_curves, peak_memory_vs_prompt, tpot_percentiles, ttft_vs_prompt
 from tests.charts_rows import frame, point, trace, trace_names
 
 # -------------------------------------------------------------------------------------------------------- latency
@@ -21,6 +21,20 @@ def test_ttft_vs_prompt_draws_one_line_per_cache_and_batch():
     assert trace_names(fig) == ["contiguous, batch 1", "contiguous, batch 4", "none, batch 1"]
     assert list(trace(fig, "contiguous, batch 1").y) == [5.0, 50.0]
     assert fig.layout.xaxis.title.text == "prompt length (tokens)" and fig.layout.yaxis.title.text.endswith("(ms)")
+
+
+def test_peak_memory_vs_prompt_draws_eager_and_sdpa_attention_as_two_lines_in_mib():
+    mib = 2**20
+    rows = frame(
+        point(prompt_len=1024, peak_mem_bytes=900 * mib, attn_impl="sdpa"),
+        point(prompt_len=2048, peak_mem_bytes=950 * mib, attn_impl="sdpa"),
+        point(prompt_len=1024, peak_mem_bytes=1000 * mib, attn_impl="eager"),
+        point(prompt_len=2048, peak_mem_bytes=1400 * mib, attn_impl="eager"),
+    )
+    fig = peak_memory_vs_prompt(rows)
+    eager, fused = (next(t for t in fig.data if name in t.name) for name in ("eager", "sdpa"))
+    assert list(eager.y) == [1000.0, 1400.0] and list(fused.y) == [900.0, 950.0]
+    assert fig.layout.yaxis.title.text == "peak memory (MiB)"
 
 
 def test_itl_curves_draw_each_step_of_each_row_from_step_1():

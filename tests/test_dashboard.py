@@ -351,7 +351,7 @@ CHARTS_BY_PAGE = {  # page -> the x-axis title of each chart, in order
     "roofline": ["arithmetic intensity (FLOP/byte)", "batch size (sequences)", "batch size (sequences)"],
     "memory": ["context × batch (tokens × sequences)", "context (tokens per sequence)"],
     "strategies": ["KV allocated (MiB)"],
-    "latency": ["prompt length (tokens)", "decode step", "point"],
+    "latency": ["prompt length (tokens)", "prompt length (tokens)", "decode step", "point"],
     "profile": ["prompt length (tokens)", "batch size (sequences)", "self time (ms, over the profiled steps)"],
 }
 

@@ -1,4 +1,5 @@
-"""The latency page's charts: time to first token against the prompt, each decode step, and TPOT's spread."""
+"""The latency page's charts: time to first token and peak memory against the prompt, each decode step, and TPOT's
+spread."""
 
 from __future__ import annotations
 
@@ -36,33 +37,58 @@ def ttft_vs_prompt(rows: pd.DataFrame) -> go.Figure:
     """TTFT against prompt length (log2 x), one line per cache and batch_size and whatever else of the point key
     varies (a line is one workload and treatment but the prompt), the median where points repeat; an open marker
     where a point's row did not converge or ran on a busy host."""
-    require(rows, ["prompt_len", "ttft_ms"])
-    title = "Time to first token against prompt length"
-    x_title, y_title = "prompt length (tokens)", "time to first token (ms)"
-    ok = ok_rows(rows, ["prompt_len", "ttft_ms", *POINT_KEYS, *MARK_COLUMNS])  # narrowed first: 100k rows
-    points = pd.DataFrame({"prompt_len": numbers(ok, "prompt_len"), "ttft_ms": numbers(ok, "ttft_ms")})
+    return _against_prompt(
+        rows,
+        "ttft_ms",
+        title="Time to first token against prompt length",
+        y_title="time to first token (ms)",
+        hover="%{y:.4g} ms",
+    )
+
+
+def peak_memory_vs_prompt(rows: pd.DataFrame) -> go.Figure:
+    """Peak memory of the measuring process (peak_mem_bytes, MiB) against prompt length, lines as ttft_vs_prompt's:
+    where eager attention's [B, H, T, S] scores grow with the square of the prompt and SDPA's fused kernels do not
+    (attn_impl, experiment=fused-attention), and how a cache's bytes grow with the context."""
+    return _against_prompt(
+        rows,
+        "peak_mem_bytes",
+        title="Peak memory against prompt length",
+        y_title="peak memory (MiB)",
+        hover="%{y:.4g} MiB",
+        scale=2**-20,
+    )
+
+
+def _against_prompt(
+    rows: pd.DataFrame, column: str, *, title: str, y_title: str, hover: str, scale: float = 1.0
+) -> go.Figure:
+    require(rows, ["prompt_len", column])
+    x_title = "prompt length (tokens)"
+    ok = ok_rows(rows, ["prompt_len", column, *POINT_KEYS, *MARK_COLUMNS])  # narrowed first: 100k rows
+    points = pd.DataFrame({"prompt_len": numbers(ok, "prompt_len"), "value": numbers(ok, column) * scale})
     line_keys = ("cache", *(key for key in POINT_KEYS if key not in ("cache", "prompt_len")))
     points["line"] = labels(ok, line_keys, always=tuple(key for key in ("cache", "batch_size") if key in ok))
     points["marks"] = row_marks(ok)
-    points = points[(points["prompt_len"] > 0) & points["ttft_ms"].notna()]
+    points = points[(points["prompt_len"] > 0) & points["value"].notna()]
     if points.empty:
         return message_figure(title=title, x_title=x_title, y_title=y_title)
     fig = go.Figure()
     for i, (line, group) in enumerate(points.groupby("line", sort=True)):
         per_prompt = group.groupby("prompt_len").agg(
-            ttft_ms=("ttft_ms", "median"), marks=("marks", lambda marks: ", ".join(sorted(set(marks) - {""})))
+            value=("value", "median"), marks=("marks", lambda marks: ", ".join(sorted(set(marks) - {""})))
         )
         per_prompt = per_prompt.sort_index()
         fig.add_trace(
             go.Scatter(
                 x=per_prompt.index,
-                y=per_prompt["ttft_ms"],
+                y=per_prompt["value"],
                 mode="lines+markers",
                 name=line,
                 line=dict(color=colour(i)),
                 marker=dict(symbol=["circle-open" if m else "circle" for m in per_prompt["marks"]], size=8),
                 hovertext=per_prompt["marks"].replace("", "-").to_numpy(),
-                hovertemplate="prompt %{x}: %{y:.4g} ms<br>marks: %{hovertext}<extra>" + line + "</extra>",
+                hovertemplate=f"prompt %{{x}}: {hover}<br>marks: %{{hovertext}}<extra>{line}</extra>",
             )
         )
     fig.update_layout(
