@@ -61,6 +61,7 @@ def critical_batch(
     peak_tflops: float,
     layout: Layout = DENSE,
     kv_group_size: int = 32,
+    mla_path: str = "absorbed",
 ) -> int | None:
     """B*: the smallest batch whose decode step at context_len reaches the ridge point; None if no batch does.
 
@@ -78,6 +79,7 @@ def critical_batch(
             kv_dtype=kv_dtype,
             layout=layout,
             kv_group_size=kv_group_size,
+            mla_path=mla_path,
         )
         for batch_size in (1, 2)
     ]
@@ -93,6 +95,7 @@ def critical_context(
     peak_tflops: float,
     layout: Layout = DENSE,
     kv_group_size: int = 32,
+    mla_path: str = "absorbed",
 ) -> float:
     """S*: the context beyond which decode cannot reach the ridge point at any batch; math.inf if it never binds.
 
@@ -117,6 +120,7 @@ def critical_context(
                 kv_dtype=kv_dtype,
                 layout=layout,
                 kv_group_size=kv_group_size,
+                mla_path=mla_path,
             )
             for batch_size in (1, 2)
         )
@@ -168,6 +172,7 @@ def roofline_columns(
     """
     args, layout, batch_size, prompt_len, gen_len = w.model_args(), w.layout(), w.batch_size, w.prompt_len, w.gen_len
     shape = dict(dtype=w.dtype, kv_dtype=w.kv_dtype_name, layout=layout, kv_group_size=w.kv_group_size)
+    shape["mla_path"] = getattr(w, "mla_path", "absorbed")  # MLA's decode path (harness.roofline_mla)
     decode = mean_decode_cost(args, batch_size=batch_size, prompt_len=prompt_len, gen_len=gen_len, **shape)
     cached = layout.prefix_tokens(w)
     prefill = prefill_cost(args, batch_size=batch_size, prompt_len=prompt_len, prefix_cached=cached, **shape)
