@@ -60,6 +60,12 @@ Strategies: what each reads is its layout's answer (harness/kv/<name>.py: LAYOUT
                       attention reads freshly computed K/V (activations, at the compute dtype), not a cache: KV read
                       and written are 0, and FLOPs grow with the context.
 
+MLA (DeepSeek-V2's latent KV; harness.roofline_mla has its formulas and sources): weights, matmul and attention
+FLOPs and activations take the model's MLA terms, per token, per (query, key) pair and per cached key, on the decode
+path `mla_path` (absorbed: attention in the latent space; naive: every cached latent decompressed each step). Its KV
+read is the cache geometry's (ModelArgs.cache_sides, cache_heads, cache_head_dim): one latent row of
+kv_lora_rank + qk_rope_head_dim values a token and layer, read once for all H query heads.
+
 Quantized formats (harness.kv.quant) are modelled as a fused kernel that dequantizes in registers: the payload plus
 the scales, nothing else. The harness itself dequantizes into a full-precision copy before attention; that
 difference, like every other departure from the ideal, is what the achieved figures expose. int4's full-precision
@@ -80,6 +86,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from harness import roofline_mla as mla
 from harness.formats import ATTN_IMPLS, BITS, PLAIN, SCALE_BYTES
 from harness.kv.base import Layout
 
@@ -130,8 +137,10 @@ def _linear_params_per_layer(args: ModelArgs) -> int:
     return args.dim * (args.q_dim + 2 * args.kv_dim) + args.q_dim * args.dim + 3 * args.dim * args.intermediate_size
 
 
-def _matmul_flops_per_token(args: ModelArgs) -> float:
-    """2·N_layers (Kaplan et al. 2020): one multiply-accumulate per layer weight per token."""
+def _matmul_flops_per_token(args: ModelArgs, mla_path: str) -> float:
+    """2·N_layers (Kaplan et al. 2020): one multiply-accumulate per layer weight per token (MLA: its path's)."""
+    if args.is_mla:
+        return args.n_layers * mla.token_flops_per_layer(args, mla_path)
     return 2 * args.n_layers * _linear_params_per_layer(args)
 
 
@@ -139,8 +148,10 @@ def _lm_head_flops_per_sequence(args: ModelArgs) -> float:
     return 2 * args.dim * args.vocab_size  # the last position only (last_only=True)
 
 
-def _attention_flops_per_key(args: ModelArgs) -> float:
-    """One query against one key in every layer: q·k and p·v over H query heads of D."""
+def _attention_flops_per_key(args: ModelArgs, mla_path: str) -> float:
+    """One query against one key in every layer: q·k and p·v over H query heads of D (MLA: its path's)."""
+    if args.is_mla:
+        return args.n_layers * mla.pair_flops_per_layer(args, mla_path)
     return 4 * args.n_layers * args.n_heads * args.head_dim
 
 
@@ -156,22 +167,44 @@ def _check_attn_impl(attn_impl: str) -> None:
         raise ValueError(f"attn_impl: unknown {attn_impl!r}; allowed: {', '.join(ATTN_IMPLS)}")
 
 
+def _decompress_flops_per_key(args: ModelArgs, mla_path: str) -> float:
+    """One cached key in every layer, once per forward: MLA naive's decompression; 0 otherwise."""
+    return args.n_layers * mla.key_flops_per_layer(args, mla_path) if args.is_mla else 0
+
+
 def _weight_bytes(args: ModelArgs, dtype: str, n_tokens: int) -> float:
     """Every parameter once, except the embedding table: only the n_tokens rows the lookup reads."""
     qkv_bias = args.q_dim + 2 * args.kv_dim if args.qkv_bias else 0
     per_layer = _linear_params_per_layer(args) + qkv_bias + 2 * args.dim  # + attention_norm, ffn_norm
+    if args.is_mla:
+        per_layer = mla.linear_params_per_layer(args) + mla.norm_params_per_layer(args)
     lm_head = args.vocab_size * args.dim  # the embedding matrix itself when tied: read whole either way
     params = args.n_layers * per_layer + args.dim + lm_head + n_tokens * args.dim  # + final norm, embedding rows
     return params * _weight_dtype_bytes(dtype)
 
 
-def _activation_bytes(args: ModelArgs, dtype: str, n_tokens: int, n_sequences: int, n_recomputed_keys: int) -> float:
-    """Matmul inputs and outputs once each (module docstring); n_recomputed_keys: `none`'s K/V, read as activations."""
+def _activation_bytes(
+    args: ModelArgs,
+    dtype: str,
+    n_tokens: int,
+    n_sequences: int,
+    n_recomputed_keys: int,
+    n_decompressed_keys: float = 0,
+    mla_path: str = "absorbed",
+) -> float:
+    """Matmul inputs and outputs once each (module docstring); n_recomputed_keys: `none`'s K/V, read as activations;
+    n_decompressed_keys: MLA naive's K/V decompressed from the latents, written and read once."""
     per_layer = 4 * args.dim + 4 * args.q_dim + 2 * args.kv_dim + 3 * args.intermediate_size  # values per token
+    per_key = 0
+    if args.is_mla:
+        per_layer = mla.token_activation_values_per_layer(args, mla_path)
+        per_key = mla.key_activation_values_per_layer(args, mla_path)
     per_token = args.dim + args.n_layers * per_layer  # + the embedding's output
     per_sequence = args.dim + args.vocab_size  # lm_head's input and logits, last position only
-    recomputed_kv = n_recomputed_keys * args.n_layers * 2 * args.kv_dim
-    return (n_tokens * per_token + n_sequences * per_sequence + recomputed_kv) * _weight_dtype_bytes(dtype)
+    recomputed_kv = n_recomputed_keys * args.n_layers * args.cache_sides * args.cache_heads * args.cache_head_dim
+    decompressed = n_decompressed_keys * args.n_layers * per_key
+    values = n_tokens * per_token + n_sequences * per_sequence + recomputed_kv + decompressed
+    return values * _weight_dtype_bytes(dtype)
 
 
 def kv_bytes_per_token_read(args: ModelArgs, kv_dtype: str, kv_group_size: int = 32) -> float:
@@ -183,9 +216,10 @@ def kv_bytes_per_token_read(args: ModelArgs, kv_dtype: str, kv_group_size: int =
         int4 (KIVI)         D / 2 + 8·D / G: K has a scale and a zero per channel per G tokens (2·D·4 / G bytes a
                             token), V a scale and a zero per G channels of each token (2·(D / G)·4): the same rate
     The payload part is CacheSpec.bytes_per_token; bf16 at head_dim 128 is 512 bytes per head, int8 264 (0.516),
-    int4 at G = 32 192 (0.375).
+    int4 at G = 32 192 (0.375). The geometry is the cache's (ModelArgs.cache_*): MLA one side (the latent row, keys'
+    int4 layout) of one head of D = kv_lora_rank + qk_rope_head_dim.
     """
-    head_dim = args.head_dim
+    head_dim = args.cache_head_dim
     if kv_dtype in PLAIN:
         per_head_side = head_dim * BITS[kv_dtype] / 8
     elif kv_dtype == "int4":
@@ -194,7 +228,7 @@ def kv_bytes_per_token_read(args: ModelArgs, kv_dtype: str, kv_group_size: int =
         per_head_side = head_dim * BITS[kv_dtype] / 8 + SCALE_BYTES
     else:
         raise ValueError(f"kv_dtype: unknown format {kv_dtype!r}; allowed: {', '.join(BITS)}")
-    return 2 * args.n_layers * args.n_kv_heads * per_head_side
+    return args.cache_sides * args.n_layers * args.cache_heads * per_head_side
 
 
 def _check(batch_size: int) -> None:
@@ -216,6 +250,7 @@ def prefill_cost(
     prefix_cached: int = 0,
     kv_group_size: int = 32,
     attn_impl: str = "sdpa",
+    mla_path: str = "absorbed",
 ) -> StepCost:
     """The prefill forward of B prompts of prompt_len tokens, of which the first prefix_cached are already cached.
 
@@ -228,6 +263,8 @@ def prefill_cost(
     A layout that recomputes (`none`) keeps no cache: KV read and written are 0, its K/V count as activations, and
     prefix_cached must be 0. Eager attention: pairs = T·(keys visible), the whole rectangle, and score_bytes
     B·pairs·L·H·eager_score_bytes_per_pair.
+    prefix_cached must be 0. MLA (`mla_path`): per-pair FLOPs of its path, and naive's decompression of every visible
+    key once (FLOPs, and its K/V as activations).
     """
     _check(batch_size)
     _check_attn_impl(attn_impl)
@@ -242,27 +279,34 @@ def prefill_cost(
         pairs = n_new * layout.keys_attended(prompt_len)
         per_pair = eager_score_bytes_per_pair(dtype, masked=n_new > 1)
         score_bytes = batch_size * pairs * args.n_layers * args.n_heads * per_pair
-    flops = batch_size * (
-        n_new * _matmul_flops_per_token(args)
-        + pairs * _attention_flops_per_key(args)
-        + _lm_head_flops_per_sequence(args)
-    )
     if layout.recomputes_prefix:
         kv_read = kv_write = 0.0
-        recomputed_keys = batch_size * prompt_len
+        recomputed_keys = visible = batch_size * prompt_len
     else:
         per_token = kv_bytes_per_token_read(args, kv_dtype, kv_group_size)
         first_visible = prefix_cached + 1 - layout.keys_attended(prefix_cached + 1)  # the first query's oldest key
-        kv_read = batch_size * (prompt_len - first_visible) * per_token
+        visible = batch_size * (prompt_len - first_visible)
+        kv_read = visible * per_token
         kv_write = batch_size * layout.tokens_written(n_new) * per_token
         recomputed_keys = 0
+    flops = batch_size * (
+        n_new * _matmul_flops_per_token(args, mla_path)
+        + pairs * _attention_flops_per_key(args, mla_path)
+        + _lm_head_flops_per_sequence(args)
+    ) + visible * _decompress_flops_per_key(args, mla_path)
     return StepCost(
         flops=flops,
         weight_bytes=_weight_bytes(args, dtype, n_tokens=batch_size * n_new),
         kv_read_bytes=kv_read,
         kv_write_bytes=kv_write,
         activation_bytes=_activation_bytes(
-            args, dtype, n_tokens=batch_size * n_new, n_sequences=batch_size, n_recomputed_keys=recomputed_keys
+            args,
+            dtype,
+            n_tokens=batch_size * n_new,
+            n_sequences=batch_size,
+            n_recomputed_keys=recomputed_keys,
+            n_decompressed_keys=visible,
+            mla_path=mla_path,
         ),
         score_bytes=score_bytes,
     )
@@ -278,6 +322,7 @@ def decode_step_cost(
     layout: Layout = DENSE,
     kv_group_size: int = 32,
     attn_impl: str = "sdpa",
+    mla_path: str = "absorbed",
 ) -> StepCost:
     """One decode step of B sequences whose new token attends to context_len keys, itself included.
 
@@ -288,6 +333,9 @@ def decode_step_cost(
         KV read    B·S_att·kv_bytes_per_token_read (the new token's K/V is written, then read back with the rest)
         KV written B·kv_bytes_per_token_read
         scores     eager only: B·S_att·L·H·eager_score_bytes_per_pair (no mask)
+    MLA (`mla_path`, harness.roofline_mla): flops B·(2·N_layers' + S_att·pair + S_att·decompress), naive decompressing
+    the S_att latents it reads (activations B·S_att·L·2·H·(n + r + v) values more), absorbed folding W_UK and W_UV
+    into the token's own matmuls.
     A layout that recomputes (`none`): prefill_cost over context_len tokens (every step recomputes the whole
     sequence so far).
     """
@@ -298,12 +346,14 @@ def decode_step_cost(
     if layout.recomputes_prefix:
         return prefill_cost(
             args, batch_size=batch_size, prompt_len=round(context_len), dtype=dtype, kv_dtype=kv_dtype, layout=layout,
-            attn_impl=attn_impl,
+            attn_impl=attn_impl, mla_path=mla_path,
         )  # fmt: skip
     attended = layout.keys_attended(context_len)
     per_token = kv_bytes_per_token_read(args, kv_dtype, kv_group_size)
     flops = batch_size * (
-        _matmul_flops_per_token(args) + attended * _attention_flops_per_key(args) + _lm_head_flops_per_sequence(args)
+        _matmul_flops_per_token(args, mla_path)
+        + attended * (_attention_flops_per_key(args, mla_path) + _decompress_flops_per_key(args, mla_path))
+        + _lm_head_flops_per_sequence(args)
     )
     return StepCost(
         flops=flops,
@@ -311,7 +361,13 @@ def decode_step_cost(
         kv_read_bytes=batch_size * attended * per_token,
         kv_write_bytes=batch_size * per_token,
         activation_bytes=_activation_bytes(
-            args, dtype, n_tokens=batch_size, n_sequences=batch_size, n_recomputed_keys=0
+            args,
+            dtype,
+            n_tokens=batch_size,
+            n_sequences=batch_size,
+            n_recomputed_keys=0,
+            n_decompressed_keys=batch_size * attended,
+            mla_path=mla_path,
         ),
         score_bytes=(
             batch_size * attended * args.n_layers * args.n_heads * eager_score_bytes_per_pair(dtype, masked=False)
@@ -339,6 +395,7 @@ def mean_decode_cost(
     layout: Layout = DENSE,
     kv_group_size: int = 32,
     attn_impl: str = "sdpa",
+    mla_path: str = "absorbed",
 ) -> StepCost:
     """The mean over the timed decode steps (decode_contexts), the step TPOT measures: exact for every strategy,
     where evaluating at the mean context would not be under a window cap or `none`'s quadratic attention."""
@@ -353,6 +410,7 @@ def mean_decode_cost(
                 layout=layout,
                 kv_group_size=kv_group_size,
                 attn_impl=attn_impl,
+                mla_path=mla_path,
             )
             for context_len in decode_contexts(prompt_len, gen_len)
         ]

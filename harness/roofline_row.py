@@ -62,6 +62,7 @@ def critical_batch(
     layout: Layout = DENSE,
     kv_group_size: int = 32,
     attn_impl: str = "sdpa",
+    mla_path: str = "absorbed",
 ) -> int | None:
     """B*: the smallest batch whose decode step at context_len reaches the ridge point; None if no batch does.
 
@@ -80,6 +81,7 @@ def critical_batch(
             layout=layout,
             kv_group_size=kv_group_size,
             attn_impl=attn_impl,
+            mla_path=mla_path,
         )
         for batch_size in (1, 2)
     ]
@@ -96,6 +98,7 @@ def critical_context(
     layout: Layout = DENSE,
     kv_group_size: int = 32,
     attn_impl: str = "sdpa",
+    mla_path: str = "absorbed",
 ) -> float:
     """S*: the context beyond which decode cannot reach the ridge point at any batch; math.inf if it never binds.
 
@@ -121,6 +124,7 @@ def critical_context(
                 layout=layout,
                 kv_group_size=kv_group_size,
                 attn_impl=attn_impl,
+                mla_path=mla_path,
             )
             for batch_size in (1, 2)
         )
@@ -177,6 +181,7 @@ def roofline_columns(
         layout=layout,
         kv_group_size=w.kv_group_size,
         attn_impl=w.attn_impl,
+        mla_path=getattr(w, "mla_path", "absorbed"),  # MLA's decode path (harness.roofline_mla)
     )
     decode = mean_decode_cost(args, batch_size=batch_size, prompt_len=prompt_len, gen_len=gen_len, **shape)
     cached = layout.prefix_tokens(w)

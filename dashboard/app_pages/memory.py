@@ -67,7 +67,8 @@ kv = ok[columns].assign(
 st.dataframe(kv, hide_index=True)
 st.caption(
     "kv_bytes_predicted is the seed notes' analytic formula, 2 × layers × tokens × kv_heads × head_dim × bytes × "
-    "batch: no scales, no block rounding, no prefix sharing. kv_bytes_planner is the planner's figure for the row's "
+    "batch (MLA: layers × tokens × (kv_lora_rank + qk_rope_head_dim) × bytes × batch, its one latent row): no "
+    "scales, no block rounding, no prefix sharing. kv_bytes_planner is the planner's figure for the row's "
     "workload (harness.plan: scales, whole blocks, a window, shared prefix blocks, int4's tail; `none` keeps "
     "nothing); it is empty where the planner cannot stand for the row (a model that is not a preset here)."
 )

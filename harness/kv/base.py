@@ -233,11 +233,12 @@ class Layout:
     # --- memory ---------------------------------------------------------------------------------------------
     def allocation(self, w: Workload) -> KVAllocation:
         """Exactly what the cache's kv_bytes_allocated() reports at the peak of a generation (after its first
-        write, when int4 allocates its tail). Dense: K and V each [L, B, H_kv, S, w]; each scale part
-        [L, B, H_kv, ceil(S / tokens), width] (harness.kv.contiguous)."""
+        write, when int4 allocates its tail). Dense: K and V each [L, B, H_kv, S, w] (MLA: the one latent side
+        [L, B, 1, S, w], w from kv_lora_rank + qk_rope_head_dim); each scale part [L, B, H_kv, ceil(S / tokens),
+        width] (harness.kv.contiguous)."""
         args = w.model_args()
-        lead = args.n_layers * w.batch_size * args.n_kv_heads
-        data = lead * 2 * w.max_tokens * data_row_bytes(w)
+        lead = args.n_layers * w.batch_size * args.cache_heads
+        data = lead * args.cache_sides * w.max_tokens * data_row_bytes(w)
         scales = sum(lead * blocks_for(w.max_tokens, tokens) * width * SCALE_BYTES for tokens, width in scale_parts(w))
         return KVAllocation(data, scale_bytes=scales, tail_bytes=int4_tail_bytes(w))
 
@@ -248,8 +249,8 @@ class Layout:
     def transients(self, w: Workload, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
         """(write peak, read-back peak, read-back result) in bytes, for one layer's attend: what the strategy
         creates beside the layer's live tensors when it stores n_new tokens per sequence and reads n_keys back."""
-        kv_dim = w.model_args().kv_dim
-        return codec_transients(w, new=n_seqs * n_new * kv_dim, keys=n_seqs * n_keys * kv_dim)
+        width = cache_width(w)
+        return codec_transients(w, new=n_seqs * n_new * width, keys=n_seqs * n_keys * width)
 
     def step_mask_bytes(self, w: Workload, *, n_new: int, n_keys: int) -> tuple[int, int]:
         """(held, peak while built) bytes of a mask the strategy builds for a whole forward before the layers and
@@ -301,31 +302,45 @@ class Layout:
         """A ConfigError naming the field when the strategy cannot run on `device` ("cpu" or "cuda")."""
 
 
+def cache_width(w: Workload) -> int:
+    """Values one side (K, V, or MLA's latent row) of one token holds in one layer: H_kv x D; MLA 1 x (kv_lora_rank
+    + qk_rope_head_dim), the cache geometry of harness.model_args.ModelArgs (cache_heads, cache_head_dim)."""
+    args = w.model_args()
+    return args.cache_heads * args.cache_head_dim
+
+
 def data_row_bytes(w: Workload) -> int:
-    """Bytes of one token's K (or V) of one KV head at the storage format's bits: int4 D / 2."""
-    return w.model_args().head_dim * BITS[w.kv_dtype_name] // 8
+    """Bytes of one token's K (or V, or MLA's latent row) of one cached head at the storage format's bits: int4
+    D / 2."""
+    return w.model_args().cache_head_dim * BITS[w.kv_dtype_name] // 8
 
 
 def scale_parts(w: Workload) -> list[tuple[int, int]]:
     """(tokens per row, width) of each fp32 scale part (harness.kv.quant: TokenFormat.parts, Int4Kivi.parts):
     fp8/int8 a k_scale and a v_scale of width 1 per token; int4 a scale and a zero of width D per G key tokens, and
-    of width D / G per value token."""
-    kv_dtype, head_dim, group = w.kv_dtype_name, w.model_args().head_dim, w.kv_group_size
+    of width D / G per value token. MLA caches one side, quantized as keys are: one scale per token (fp8/int8), a
+    scale and a zero per channel per G tokens (int4: the latent's channels, like K's, carry the outliers)."""
+    kv_dtype, head_dim, group = w.kv_dtype_name, w.model_args().cache_head_dim, w.kv_group_size
+    sides = w.model_args().cache_sides
     if kv_dtype in PER_TOKEN_SCALED:
-        return [(1, 1), (1, 1)]
+        return [(1, 1)] * sides
     if kv_dtype == "int4":
-        return [(group, head_dim), (group, head_dim), (1, head_dim // group), (1, head_dim // group)]
+        values = [(1, head_dim // group), (1, head_dim // group)] if sides == 2 else []
+        return [(group, head_dim), (group, head_dim), *values]
     return []
 
 
 def int4_tail_bytes(w: Workload) -> int:
     """int4's full-precision ring, [L, B, H_kv, capacity, D] per side in the compute dtype, allocated on the first
-    write: keys wait for a whole group (residual + G - 1 tokens at most), values for the residual."""
+    write: keys wait for a whole group (residual + G - 1 tokens at most), values for the residual. MLA's one latent
+    side waits as keys do."""
     if w.kv_dtype_name != "int4":
         return 0
-    capacity = min(w.kv_residual + w.kv_group_size - 1, w.max_tokens) + min(w.kv_residual, w.max_tokens)
     args = w.model_args()
-    return args.n_layers * w.batch_size * args.n_kv_heads * capacity * args.head_dim * DTYPE_BYTES[w.dtype]
+    capacity = min(w.kv_residual + w.kv_group_size - 1, w.max_tokens)
+    if args.cache_sides == 2:
+        capacity += min(w.kv_residual, w.max_tokens)
+    return args.n_layers * w.batch_size * args.cache_heads * capacity * args.cache_head_dim * DTYPE_BYTES[w.dtype]
 
 
 def codec_transients(w: Workload, *, new: int, keys: int, gathered: int = 0) -> tuple[int, int, int]:
@@ -335,21 +350,22 @@ def codec_transients(w: Workload, *, new: int, keys: int, gathered: int = 0) -> 
     Plain storage at the compute dtype is free (views); a dtype other than the compute dtype is converted on write
     and on read; fp8/int8 encode through fp32 temporaries (abs, x / scale, clamp, round) and decode to fp32, times
     the scale, then to the dtype; int4 likewise with its min/max codes and nibble unpacking (an estimate:
-    harness.kv.quant.Int4Kivi).
+    harness.kv.quant.Int4Kivi). Both sides are read back (K and V), or MLA's one latent side (`sides`).
     """
-    kv_dtype, b = w.kv_dtype_name, DTYPE_BYTES[w.dtype]
+    kv_dtype, b, sides = w.kv_dtype_name, DTYPE_BYTES[w.dtype], w.model_args().cache_sides
+    other = (sides - 1) * b  # per value read: the other side, already decoded, while this one decodes
     converts = b != 4  # the codecs compute in fp32: a non-fp32 input is copied to fp32 first
     if kv_dtype in PLAIN_NAMES:
         kv_b = DTYPE_BYTES[kv_dtype]
         write = new * kv_b if kv_b != b else 0
         if kv_b == b:
             return write, 0, 0
-        return write, 2 * keys * b, 2 * keys * b
+        return write, sides * keys * b, sides * keys * b
     if kv_dtype == "int4":  # codes and fp32 temporaries: ~17 bytes per value written, ~12 per value read
         write = new * (17 + 4 * converts)
-        read_peak = keys * (b + 12) + 2 * gathered
-        return write, read_peak, 2 * keys * b
+        read_peak = keys * (other + 12) + sides * gathered
+        return write, read_peak, sides * keys * b
     # fp8 (x/scale, clamp, cast: 9 bytes per value) and int8 (x/scale, round, clamp: 12), fp32 in
     write = new * ((12 if kv_dtype == "int8" else 9) + 4 * converts)
-    read_peak = keys * (b + 8) + gathered  # the other side decoded (b), this one: fp32 codes and codes·scale
-    return write, read_peak, 2 * keys * b
+    read_peak = keys * (other + 8) + gathered  # the other side decoded (b), this one: fp32 codes and codes·scale
+    return write, read_peak, sides * keys * b

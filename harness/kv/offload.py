@@ -24,7 +24,7 @@ from harness.errors import ConfigError, Unsupported
 from harness.formats import BITS, DTYPE_BYTES, QUANTIZED
 from harness.formats import PLAIN as PLAIN_NAMES
 from harness.kv import host, varlen
-from harness.kv.base import CacheSpec, KVAllocation, Layout, attention
+from harness.kv.base import CacheSpec, KVAllocation, Layout, attention, cache_width
 
 
 @dataclass(frozen=True)
@@ -166,14 +166,16 @@ class OffloadLayout(Layout):
     """The host store of every layer, and two device slots; the device slot is read in place."""
 
     def allocation(self, w) -> KVAllocation:
-        """host [L, S, K|V, B, H_kv, D] + staging [2, S, K|V, B, H_kv, D], plain dtypes only."""
+        """host [L, S, K|V, B, H_kv, D] + staging [2, S, K|V, B, H_kv, D] (MLA: one latent side of one head),
+        plain dtypes only."""
         args = w.model_args()
-        per_layer = w.max_tokens * 2 * w.batch_size * args.n_kv_heads * args.head_dim * DTYPE_BYTES[w.kv_dtype_name]
+        per_token = args.cache_sides * w.batch_size * cache_width(w) * DTYPE_BYTES[w.kv_dtype_name]
+        per_layer = w.max_tokens * per_token
         return KVAllocation(data_bytes=(args.n_layers + 2) * per_layer, host_bytes=args.n_layers * per_layer)
 
     def transients(self, w, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
-        """torch.stack((k, v)) of the new tokens, at the compute dtype."""
-        return 2 * n_seqs * n_new * w.model_args().kv_dim * DTYPE_BYTES[w.dtype], 0, 0
+        """torch.stack((k, v)) of the new tokens (MLA: its one side), at the compute dtype."""
+        return w.model_args().cache_sides * n_seqs * n_new * cache_width(w) * DTYPE_BYTES[w.dtype], 0, 0
 
     def check(self, w) -> None:
         if w.kv_dtype_name == "int4":

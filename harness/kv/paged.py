@@ -42,6 +42,7 @@ from harness.kv.base import (
     Layout,
     attention,
     blocks_for,
+    cache_width,
     codec_transients,
     data_row_bytes,
     grouped_attention,
@@ -461,10 +462,11 @@ class PagedLayout(Layout):
         return w.batch_size * per_sequence - (w.batch_size - 1) * self.shared_blocks(w)
 
     def allocation(self, w) -> KVAllocation:
-        """K and V pools each [L, N, H_kv, bs, w]; each scale part [L, N, H_kv, rows per block, width]."""
+        """K and V pools each [L, N, H_kv, bs, w] (MLA: one latent pool [L, N, 1, bs, w]); each scale part
+        [L, N, H_kv, rows per block, width]."""
         args, block_size = w.model_args(), self.options.block_size
-        lead = args.n_layers * self.pool_blocks(w) * args.n_kv_heads
-        data = lead * 2 * block_size * data_row_bytes(w)
+        lead = args.n_layers * self.pool_blocks(w) * args.cache_heads
+        data = lead * args.cache_sides * block_size * data_row_bytes(w)
         scales = sum(
             lead * rows_per_block(block_size, tokens) * width * SCALE_BYTES for tokens, width in scale_parts(w)
         )
@@ -475,9 +477,9 @@ class PagedLayout(Layout):
 
     def transients(self, w, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
         """A read gathers each side through the block table, twice (the index, then a reshape), whole blocks."""
-        kv_dim, block_size = w.model_args().kv_dim, self.options.block_size
-        new, keys = n_seqs * n_new * kv_dim, n_seqs * n_keys * kv_dim  # values written and read back per side
-        keys_rounded = n_seqs * blocks_for(n_keys, block_size) * block_size * kv_dim
+        width, block_size, sides = cache_width(w), self.options.block_size, w.model_args().cache_sides
+        new, keys = n_seqs * n_new * width, n_seqs * n_keys * width  # values written and read back per side
+        keys_rounded = n_seqs * blocks_for(n_keys, block_size) * block_size * width
         gathered = keys_rounded * BITS[w.kv_dtype_name] // 8  # one side's payload gathered from the pool
         if w.kv_dtype_name not in PLAIN_NAMES:
             return codec_transients(w, new=new, keys=keys, gathered=gathered)
@@ -485,7 +487,7 @@ class PagedLayout(Layout):
         write = new * kv_b if kv_b != b else 0
         result = keys * b if kv_b != b else gathered
         read_peak = result + 2 * gathered if kv_b == b else result + max(2 * gathered, gathered + keys * b)
-        return write, read_peak, 2 * result
+        return write, read_peak, sides * result
 
     def check(self, w) -> None:
         group, block = w.kv_group_size, self.options.block_size

@@ -33,7 +33,15 @@ from harness.errors import ConfigError, Unsupported
 from harness.formats import BITS, DTYPE_BYTES, QUANTIZED, SCALE_BYTES
 from harness.formats import PLAIN as PLAIN_NAMES
 from harness.kv import varlen
-from harness.kv.base import CacheSpec, KVAllocation, Layout, attention, codec_transients, grouped_attention
+from harness.kv.base import (
+    CacheSpec,
+    KVAllocation,
+    Layout,
+    attention,
+    cache_width,
+    codec_transients,
+    grouped_attention,
+)
 from harness.kv.quant import token_codec
 
 
@@ -213,11 +221,12 @@ class SlidingLayout(Layout):
     lossy: ClassVar[bool] = True
 
     def allocation(self, w) -> KVAllocation:
-        """data [L, K|V, B, H_kv, slots, D] (+ scale [.., slots, 1] for fp8/int8); no int4."""
+        """data [L, K|V, B, H_kv, slots, D] (MLA: one latent side of one head of its row) (+ scale [.., slots, 1]
+        for fp8/int8); no int4."""
         args = w.model_args()
         slots = min(self.options.window, w.max_tokens)
-        tokens = args.n_layers * 2 * w.batch_size * args.n_kv_heads * slots
-        data = tokens * args.head_dim * BITS[w.kv_dtype_name] // 8
+        tokens = args.n_layers * args.cache_sides * w.batch_size * args.cache_heads * slots
+        data = tokens * args.cache_head_dim * BITS[w.kv_dtype_name] // 8
         return KVAllocation(data, scale_bytes=tokens * SCALE_BYTES if w.kv_dtype_name in QUANTIZED else 0)
 
     def _banded(self, *, n_new: int, n_keys: int) -> bool:
@@ -226,11 +235,11 @@ class SlidingLayout(Layout):
     def transients(self, w, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
         """A ring's write, and its read-back within the window; banded: the held keys and the new ones,
         concatenated (at the compute dtype)."""
-        kv_dim = w.model_args().kv_dim
-        new = n_seqs * n_new * kv_dim  # values written per side
+        width, sides = cache_width(w), w.model_args().cache_sides
+        new = n_seqs * n_new * width  # values written per side
         if self._banded(n_new=n_new, n_keys=n_keys):
-            return self._write_bytes(w, new), 0, 2 * new * DTYPE_BYTES[w.dtype]
-        keys = n_seqs * min(n_keys, self.options.window) * kv_dim
+            return self._write_bytes(w, new), 0, sides * new * DTYPE_BYTES[w.dtype]
+        keys = n_seqs * min(n_keys, self.options.window) * width
         return codec_transients(w, new=new, keys=keys)
 
     @staticmethod

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from harness.formats import DTYPE_BYTES, TOKEN_ID_BYTES
+from harness.plan.activations_mla import mla_forward_bytes
 
 if TYPE_CHECKING:
     from harness.config import Workload
@@ -67,8 +68,10 @@ def forward_bytes(w: Workload, *, n_seqs: int, n_new: int, n_keys: int) -> int:
         logits   the last layer's output (d: x[:, -1:] keeps its storage) + B × vocab logits
 
     A mask the strategy builds before the layers and holds through them (Layout.step_mask_bytes: a sliding
-    window's band) counts at its building peak, and beside every phase.
+    window's band) counts at its building peak, and beside every phase. MLA: harness.plan.activations_mla.
     """
+    if w.model_args().is_mla:  # a latent cache, decompressed or absorbed: its own phases
+        return mla_forward_bytes(w, n_seqs=n_seqs, n_new=n_new, n_keys=n_keys)
     layout, args, b = w.layout(), w.model_args(), DTYPE_BYTES[w.dtype]
     d, q, k, f = args.dim, args.q_dim, args.kv_dim, args.intermediate_size
     n = n_seqs * n_new  # tokens through the layers

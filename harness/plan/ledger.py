@@ -7,11 +7,13 @@ The formula, with concurrency in it (leaving it out is the usual cause of produc
     dynamic = KV(B requests) + activations(B requests)                 # grows with every concurrent request
     KV      ~ B × (prompt_len + gen_len) × kv_bytes_per_token          # the strategy's exact allocation below
     kv_bytes_per_token = 2 (K and V) × n_layers × n_kv_heads × head_dim × bytes(kv_dtype) (+ scales)
+                       MLA: n_layers × (kv_lora_rank + qk_rope_head_dim) × bytes: one latent row (DeepSeek-V2)
 
 Each term, and where it comes from:
 
     weights            n_params × bytes(dtype): every parameter, a tied lm_head once (ModelArgs.n_params).
-    model buffers      RoPE's cos and sin tables, fp32 [n_positions, head_dim] each (Transformer.setup_rope).
+    model buffers      RoPE's cos and sin tables, fp32 [n_positions, head_dim] each (Transformer.setup_rope);
+                       MLA rotates only qk_rope_head_dim channels of each head.
     runtime overhead   what the process holds before the model loads (harness.plan.runtime), or as given.
     KV                 exactly what the strategy's kv_bytes_allocated() reports at the peak: its layout's answer
                        (harness/kv/<name>.py: LAYOUT.allocation, checked against the real caches by the tests):
@@ -52,20 +54,25 @@ def kv_bytes_per_token(model: str | Path | dict | ModelArgs, kv_dtype: str, *, k
         int4         2 × n_layers × n_kv_heads × (head_dim / 2 + 8 × head_dim / kv_group_size): packed nibbles,
                      plus a scale and a zero point per key channel per group of G tokens (amortized over the
                      group) and per G value channels of each token (KIVI, harness.kv.quant.Int4Kivi)
+
+    The cache geometry is the model's (ModelArgs.cache_sides, cache_heads, cache_head_dim): for MLA one side of one
+    head of kv_lora_rank + qk_rope_head_dim values (the latent c_kv and the shared RoPE key), so the same rows with
+    2 × n_kv_heads × head_dim read 1 × 1 × (R + P): DeepSeek-V2-Lite in bf16 27 × 576 × 2 = 31,104 bytes a token.
     """
     args = resolve_model(model)
     check_choice("kv_dtype", kv_dtype, BITS)
-    per_head = args.head_dim * BITS[kv_dtype] // 8
+    head_dim = args.cache_head_dim
+    per_head = head_dim * BITS[kv_dtype] // 8
     if kv_dtype in PER_TOKEN_SCALED:
         per_head += SCALE_BYTES
     elif kv_dtype == "int4":
-        if args.head_dim % kv_group_size:
+        if head_dim % kv_group_size:
             raise ConfigError(
-                f"kv_group_size: {args.name}'s head_dim {args.head_dim} is not a multiple of {kv_group_size}; "
-                f"allowed: a group size dividing {args.head_dim}"
+                f"kv_group_size: {args.name}'s head_dim {head_dim} is not a multiple of {kv_group_size}; "
+                f"allowed: a group size dividing {head_dim}"
             )
-        per_head += 2 * SCALE_BYTES * args.head_dim // kv_group_size
-    return 2 * args.n_layers * args.n_kv_heads * per_head
+        per_head += 2 * SCALE_BYTES * head_dim // kv_group_size
+    return args.cache_sides * args.n_layers * args.cache_heads * per_head
 
 
 def kv_bytes_allocated(
@@ -107,8 +114,10 @@ def weights_bytes(args: ModelArgs, dtype: str) -> int:
 
 
 def buffers_bytes(args: ModelArgs, n_positions: int) -> int:
-    """RoPE's cos and sin tables, fp32 [n_positions, head_dim] each (Transformer.setup_rope)."""
-    return 2 * n_positions * args.head_dim * 4
+    """RoPE's cos and sin tables, fp32 [n_positions, head_dim] each (Transformer.setup_rope); MLA's are
+    [n_positions, qk_rope_head_dim], the only channels it rotates (DeepSeek-V2 section 2.1.3)."""
+    rotated = args.qk_rope_head_dim if args.is_mla else args.head_dim
+    return 2 * n_positions * rotated * 4
 
 
 @dataclass(frozen=True)
