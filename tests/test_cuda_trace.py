@@ -44,7 +44,13 @@ H200_SMS, H200_CAPABILITY = 132, (9, 0)
 # prefix spans whole blocks plus a partial one.
 BATCH, PROMPT_LEN, GEN_LEN, PREFIX_LEN = 2, 200, 4, 72
 DTYPE = "bf16"  # the GPU presets' compute dtype
-OPTIONS = {"paged": {"block_size": 16}, "prefix": {"block_size": 16}, "sliding": {"window": 128, "sinks": 4}}
+OPTIONS = {
+    "paged": {"block_size": 16},
+    "prefix": {"block_size": 16},
+    "sliding": {"window": 128, "sinks": 4},
+    # evicts in prefill and in decode; the other policies: tests/test_cuda_trace_evict.py
+    "evict": {"policy": "h2o", "budget": 128, "window": 16},
+}
 # Every layer runs the same ops at the same shapes, and a fake op costs the same whatever its shape, so a trace costs
 # what its layers do (~10 s per generation at 32 layers on 2 cores). The compute dtype's generation of each strategy
 # is traced through all 32 layers; every other case, with 2 of them, the real shapes otherwise. What the depth changes,
@@ -90,8 +96,8 @@ def supported_points() -> list[tuple[str, str, str]]:
                     continue  # nothing is stored: Unsupported
                 if cache in ("offload",) and kv_dtype not in ("fp32", "fp16", "bf16"):
                     continue  # plain dtypes only: Unsupported
-                if cache == "sliding" and kv_dtype == "int4":
-                    continue  # a ring cannot hold key groups: Unsupported
+                if cache in ("sliding", "evict") and kv_dtype == "int4":
+                    continue  # a ring, an evicting cache cannot hold key groups: Unsupported
                 if mode != "none" and (cache not in ("contiguous", "paged", "prefix") or kv_dtype == "int4"):
                     continue  # no static-shape decode step: Unsupported (tests/test_compile.py checks each refusal)
                 points.append((cache, kv_dtype, mode))

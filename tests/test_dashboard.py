@@ -350,7 +350,10 @@ CHARTS_BY_PAGE = {  # page -> the x-axis title of each chart, in order
     "overview": ["rows"],
     "roofline": ["arithmetic intensity (FLOP/byte)", "batch size (sequences)", "batch size (sequences)"],
     "memory": ["context × batch (tokens × sequences)", "context (tokens per sequence)"],
-    "strategies": ["KV allocated (MiB)"],
+    "strategies": [
+        "KV allocated (MiB)",
+        "KV compression ratio (exact KV bytes at the compute dtype / kv_bytes_allocated)",
+    ],
     "latency": ["prompt length (tokens)", "prompt length (tokens)", "decode step", "point"],
     "profile": ["prompt length (tokens)", "batch size (sequences)", "self time (ms, over the profiled steps)"],
 }

@@ -4,7 +4,7 @@ front, within one workload at a time: rows of different workloads (WORKLOAD_COLU
 import streamlit as st
 
 from dashboard.charts.common import MARKS, MissingColumns, marks_warning, ok_rows, workload_label
-from dashboard.charts.strategies import PARETO_COLUMNS, strategy_pareto, strategy_table
+from dashboard.charts.strategies import PARETO_COLUMNS, kl_against_compression, strategy_pareto, strategy_table
 from dashboard.sidebar import page_rows, plot
 from harness.formats import EXACT_REFERENCE
 from harness.store.schema import WORKLOAD_COLUMNS
@@ -48,3 +48,8 @@ st.caption(
 )
 plot("strategy Pareto front", strategy_pareto, chosen)
 st.caption("Every strategy against every format on one workload: `python -m experiments.decode experiment=strategies`")
+plot("accuracy against compression", kl_against_compression, shown)
+st.caption(
+    "The lossy rows only: KL of the lossy cache's next-token distribution from the exact cache's, against how many "
+    "times less KV it allocates. Eviction budgets: `python -m experiments.decode experiment=eviction`"
+)

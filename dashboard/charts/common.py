@@ -47,6 +47,9 @@ LABEL_FORMATS = {
     "pool_tokens": "pool {}",
     "window": "window {}",
     "sinks": "sinks {}",
+    "policy": "{} policy",
+    "budget": "budget {}",
+    "obs_window": "obs window {}",
     "kv_group_size": "group {}",
     "kv_residual": "residual {}",
 }

@@ -1,4 +1,5 @@
-"""The strategies page's table and chart: every cache and storage format side by side, and their Pareto front."""
+"""The strategies page's table and charts: every cache and storage format side by side, their Pareto front, and
+what the lossy ones cost in accuracy for what they save in memory."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from dashboard.charts.common import (
     workload_keys,
     workload_label,
 )
-from harness.formats import EXACT_REFERENCE
+from harness.formats import DTYPE_BYTES, EXACT_REFERENCE
 from harness.stats import ratio_ci
 from harness.store.schema import KV_COLUMNS, WORKLOAD_COLUMNS
 
@@ -228,4 +229,93 @@ def strategy_pareto(rows: pd.DataFrame) -> go.Figure:
             showarrow=False,
         )
     fig.update_layout(title_text=title, xaxis_title_text=x_title, yaxis_title_text=y_title)
+    return fig
+
+
+# What kl_against_compression reads: the exact KV bytes (2 x layers x KV heads x head_dim x compute-dtype bytes per
+# token, times the batch's tokens), what the row allocated, the KL, and how the row kept its KV.
+COMPRESSION_COLUMNS = (
+    "kl_mean",
+    "kv_bytes_allocated",
+    "n_layers",
+    "n_kv_heads",
+    "head_dim",
+    "top1_agreement",
+    *KV_COLUMNS,
+)
+
+
+def compression_ratio(rows: pd.DataFrame) -> pd.Series:
+    """Exact KV bytes at the compute dtype for the row's tokens (batch x (prompt + gen)) over kv_bytes_allocated:
+    2 for fp8 beside bf16, budget-fold for an eviction budget (prompt + gen) / budget; NaN where a figure is null."""
+    tokens = numbers(rows, "batch_size") * (numbers(rows, "prompt_len") + numbers(rows, "gen_len"))
+    per_token = 2 * numbers(rows, "n_layers") * numbers(rows, "n_kv_heads") * numbers(rows, "head_dim")
+    dtype_bytes = texts(rows, "dtype").map(DTYPE_BYTES).astype("float64")
+    return tokens * per_token * dtype_bytes / numbers(rows, "kv_bytes_allocated")
+
+
+def lossy_family(rows: pd.DataFrame) -> pd.Series:
+    """A trace per way of losing accuracy: "evict h2o" (one per eviction policy), "sliding window", and
+    "quantized" (a dense layout at a narrow kv_dtype); a narrow kv_dtype under eviction or a window is named too."""
+    cache, kv_dtype = texts(rows, "cache"), texts(rows, "kv_dtype")
+    narrow = (" " + kv_dtype).where(kv_dtype != texts(rows, "dtype"), "")
+    family = pd.Series("quantized " + kv_dtype, index=rows.index, dtype=object)
+    family = family.where(cache != "sliding", "sliding window" + narrow)
+    return family.where(cache != "evict", "evict " + texts(rows, "policy") + narrow)
+
+
+def kl_against_compression(rows: pd.DataFrame) -> go.Figure:
+    """KL(exact || lossy) per step against the KV compression ratio, per ok lossy row of one workload: one line per
+    eviction policy through its budgets, beside the sliding window and the quantized formats on the same axes (up
+    and to the left is worse: more KL for less saved). Rows of several workloads: the one with the most treatments,
+    named in a note, as strategy_pareto does."""
+    require(rows, ["kv_bytes_allocated", "cache", "kv_dtype"])  # no kl_mean anywhere: the "no lossy rows" figure
+    title = "Accuracy lost against KV memory saved"
+    x_title = "KV compression ratio (exact KV bytes at the compute dtype / kv_bytes_allocated)"
+    y_title = "KL(exact || lossy) per step, mean (nats)"
+    ok = ok_rows(rows, [*COMPRESSION_COLUMNS, *WORKLOAD_COLUMNS])
+    ok = ok[(numbers(ok, "kl_mean").notna() & compression_ratio(ok).notna()).to_numpy()]
+    groups = workload_groups(ok)
+    if not groups:
+        return message_figure(
+            title=title, x_title=x_title, y_title=y_title, message="no ok lossy rows: nothing with accuracy columns"
+        )
+    chosen = groups[0]
+    points = pd.DataFrame(
+        {
+            "x": compression_ratio(chosen),
+            "y": numbers(chosen, "kl_mean"),
+            "family": lossy_family(chosen),
+            "treatment": treatment_label(chosen),
+            "top1": numbers(chosen, "top1_agreement"),
+        }
+    ).sort_values(["family", "x"], kind="stable")
+    fig = go.Figure()
+    for i, (family, part) in enumerate(points.groupby("family", sort=True)):
+        evicts = family.startswith("evict")
+        fig.add_trace(
+            go.Scatter(
+                x=part["x"].to_numpy(np.float64),
+                y=part["y"].to_numpy(np.float64),
+                mode="lines+markers" if evicts else "markers",  # a policy's budgets: a curve; others: points
+                name=family,
+                marker=dict(color=colour(i), size=10, symbol="circle" if evicts else SYMBOLS[1 + i % 4]),
+                text=part["treatment"].to_numpy(),
+                customdata=part["top1"].to_numpy(np.float64),
+                hovertemplate="%{text}<br>compression %{x:.3g}x, KL %{y:.3g}, top-1 %{customdata:.3g}<extra></extra>",
+            )
+        )
+    if len(groups) > 1:
+        fig.add_annotation(
+            text=f"one workload of {len(groups)}: {workload_label(ok).loc[chosen.index[0]]}",
+            x=0,
+            y=1,
+            xref="paper",
+            yref="paper",
+            xanchor="left",
+            yanchor="bottom",
+            showarrow=False,
+        )
+    fig.update_layout(title_text=title, xaxis_title_text=x_title, yaxis_title_text=y_title)
+    fig.update_xaxes(type="log")
     return fig

@@ -41,7 +41,19 @@ WORKLOAD_COLUMNS = (
     "loop",
 )
 # How a row kept its KV: the strategy, the storage format and their options (null where a strategy has none).
-KV_COLUMNS = ("cache", "kv_dtype", "block_size", "pool_tokens", "window", "sinks", "kv_group_size", "kv_residual")
+KV_COLUMNS = (
+    "cache",
+    "kv_dtype",
+    "block_size",
+    "pool_tokens",
+    "window",
+    "sinks",
+    "policy",
+    "budget",
+    "obs_window",
+    "kv_group_size",
+    "kv_residual",
+)
 # Two rows measure the same thing when every one of these is equal: what `kvbench-results compare` pairs by.
 POINT_KEY_COLUMNS = WORKLOAD_COLUMNS + KV_COLUMNS
 
@@ -96,6 +108,16 @@ COLUMNS: tuple[Column, ...] = (
     Column("kv_residual", "int64", "tokens", "int4: most recent tokens kept in full precision (KIVI); null otherwise"),
     Column("window", "int64", "tokens", "Sliding window: cached tokens per sequence at most; null unless sliding"),
     Column("sinks", "int64", "tokens", "Sliding window: first tokens always kept (StreamingLLM); null unless sliding"),
+    Column("policy", "string", "", "Token eviction: what is kept (h2o, snapkv, knorm, random); null unless evict"),
+    Column(
+        "budget", "int64", "tokens", "Token eviction: tokens kept per sequence, layer and KV head; null unless evict"
+    ),
+    Column(
+        "obs_window",
+        "int64",
+        "tokens",
+        "Token eviction: most recent tokens always kept (SnapKV's observation window); null unless evict",
+    ),
     Column("batch_size", "int64", "", "Sequences decoded together"),
     Column("prompt_len", "int64", "tokens", "Prompt tokens per sequence"),
     Column("gen_len", "int64", "tokens", "Tokens generated per sequence, the first one included"),
