@@ -22,6 +22,7 @@ import torch
 from harness import kv
 from harness.errors import ConfigError
 from harness.formats import COMPILE_MODES, COMPUTE_DTYPES, KV_DTYPES, KV_GROUP_SIZES
+from harness.mla import MLA_PATHS
 from harness.model_args import PRESETS, SUPPORTED_MODEL_TYPES, ModelArgs, load_args
 
 # Compute dtypes by name (harness.formats holds their sizes, and the KV storage formats).
@@ -105,6 +106,8 @@ class Workload:
     prompt_len: int = 128  # tokens per prompt (random ids, seeded)
     gen_len: int = 32  # tokens generated per sequence, greedy, no EOS
     prefix_len: int = 0  # leading prompt tokens shared by every sequence of the batch (a system prompt)
+    # MLA models (harness.mla): decode attends over the latent with W_UK/W_UV absorbed, or decompresses K and V first.
+    mla_path: str = field(default="absorbed", metadata={LATER_DEFAULT: "absorbed"})
 
     def __post_init__(self) -> None:
         if isinstance(self.model, dict) and set(self.model) <= {f.name for f in dataclasses.fields(ModelConfig)}:
@@ -139,6 +142,7 @@ class Workload:
             raise ConfigError(f"cache.name: missing; allowed: {', '.join(kv.strategy_names())}")
         kv.parse_options(self.cache["name"], self.cache_options)
         args = self.model_args()
+        check_mla(args, cache=self.cache["name"], mla_path=self.mla_path)
         if self.kv_dtype_name == "int4" and args.head_dim % self.kv_group_size:
             raise ConfigError(
                 f"kv_group_size: {args.name}'s head_dim {args.head_dim} is not a multiple of {self.kv_group_size}; "
@@ -307,6 +311,20 @@ class RunConfig(Workload):
         measured.update(device=self.torch_device().type, kv_dtype=self.kv_dtype_name)
         blob = json.dumps(measured, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+MLA_CACHES = ("contiguous", "paged")  # the strategies that store MLA's latent (CacheSpec.latent_v_dim)
+
+
+def check_mla(args: ModelArgs, *, cache: str, mla_path: str) -> None:
+    """MLA's latent is stored by contiguous and paged only; mla_path chooses between MLA's two decode paths."""
+    check_choice("mla_path", mla_path, MLA_PATHS)
+    if not args.is_mla and mla_path != "absorbed":
+        raise ConfigError(f"mla_path: {mla_path} decodes MLA models; {args.name} is not MLA; allowed: absorbed")
+    if args.is_mla and cache not in MLA_CACHES:
+        raise ConfigError(
+            f"cache.name: {cache} does not store {args.name}'s MLA latent; allowed: {', '.join(MLA_CACHES)}"
+        )
 
 
 def check_choice(name: str, value: str, allowed) -> None:

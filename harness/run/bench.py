@@ -61,6 +61,7 @@ def run_point(cfg: RunConfig) -> PointResult:
             device=device,
             seed=cfg.seed,
             n_positions=cfg.prompt_len + cfg.gen_len,
+            mla_path=cfg.mla_path,
         )
         prompt = make_prompts(cfg, vocab_size=args.vocab_size)
         prompt_ids = prompt.tolist()  # the ids on the host, where a prefix cache looks them up (as a server's are)
