@@ -181,6 +181,20 @@ def test_deepseek_presets_have_the_attention_shapes_of_transformers_configs(name
         assert args.intermediate_size == 9 * config.moe_intermediate_size == config.intermediate_size
 
 
+@pytest.mark.parametrize(("name", "family"), [("deepseek-v2-lite", "DeepseekV2"), ("deepseek-v3", "DeepseekV3")])
+def test_a_deepseek_preset_counts_the_parameters_of_transformers_dense_model_at_its_shapes(name, family) -> None:
+    args = ModelArgs.from_name(name)
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_heads,
+        first_k_dense_replace=args.n_layers, kv_lora_rank=args.kv_lora_rank, q_lora_rank=args.q_lora_rank,
+        qk_rope_head_dim=args.qk_rope_head_dim, qk_nope_head_dim=args.qk_nope_head_dim, v_head_dim=args.v_head_dim,
+    )  # fmt: skip
+    with torch.device("meta"):  # shapes only: 37 B parameters cost nothing
+        hf_model = getattr(transformers, f"{family}ForCausalLM")(config)
+    assert args.n_params == sum(p.numel() for p in hf_model.parameters())
+
+
 def test_the_cache_stores_layers_times_latent_width_bytes_per_token() -> None:
     args = ModelArgs.from_name("mla-tiny")
     cache = make_cache(args, kv_dtype="bf16", max_tokens=32)
