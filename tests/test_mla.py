@@ -273,3 +273,14 @@ def test_mla_path_is_validated_and_only_for_mla_models() -> None:
         Workload(model={"name": "mla-tiny"}, mla_path="fused")
     with pytest.raises(ConfigError, match=r"^mla_path: .*tiny.* not MLA; allowed: absorbed"):
         Workload(model={"name": "tiny"}, mla_path="naive")
+
+
+def test_per_sequence_lengths_are_refused_for_mla_in_one_line() -> None:
+    from harness.errors import Unsupported
+    from harness.kv.varlen import SeqBatch
+
+    args = ModelArgs.from_name("mla-tiny")
+    model = build_model(args, dtype=torch.float32, device=CPU, seed=0, n_positions=32)
+    batch = SeqBatch.uniform(batch_size=BATCH_SIZE, start_pos=0, n_new=4)
+    with pytest.raises(Unsupported, match=r"^per-sequence lengths: MLA's latent cache .*allowed: "):
+        model(torch.zeros((1, batch.n_tokens), dtype=torch.long), start_pos=batch, cache=make_cache(args))
