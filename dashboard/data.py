@@ -215,6 +215,9 @@ PLANNER_COLUMNS = (
     "pool_tokens",
     "window",
     "sinks",
+    "policy",
+    "budget",
+    "obs_window",
     "prefix_len",
     "kv_group_size",
     "kv_residual",
@@ -259,7 +262,6 @@ def _planner_kv_bytes(workloads: tuple[tuple, ...]) -> list[int | None]:
     (seconds at start-up), and only the page that shows the planner's figure should pay for it."""
     import dataclasses
 
-    from harness import kv
     from harness.errors import ConfigError
     from harness.model_args import PRESETS, ModelArgs
     from harness.plan import ledger
@@ -282,7 +284,9 @@ def _planner_kv_bytes(workloads: tuple[tuple, ...]) -> list[int | None]:
             continue
         try:
             # the strategy's own options, as its row columns hold them (null: the option's default)
-            options = {key: row[key] for key in kv.option_names(row["cache"]) if row.get(key) is not None}
+            options = {
+                key: row[column] for key, column in option_columns(row["cache"]).items() if row.get(column) is not None
+            }
             quant = {key: row[key] for key in ("kv_group_size", "kv_residual") if row[key] is not None}
             figures.append(
                 ledger.kv_bytes_allocated(
@@ -305,6 +309,16 @@ def _planner_kv_bytes(workloads: tuple[tuple, ...]) -> list[int | None]:
 
 
 # -------------------------------------------------------------------------------------------------------- export
+
+
+def option_columns(cache: str) -> dict[str, str]:
+    """A strategy's options -> the row columns that hold them: its layout's option_columns at the defaults, in the
+    options' order (evict's `window` is the column obs_window: `window` is the sliding window's)."""
+    from harness import kv
+
+    names = kv.option_names(cache)
+    columns = list(kv.layout(cache, {}).option_columns())
+    return dict(zip(names, columns, strict=True)) if len(columns) == len(names) else {name: name for name in names}
 
 
 def csv_bytes(rows: pd.DataFrame) -> bytes:

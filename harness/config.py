@@ -22,6 +22,7 @@ import torch
 from harness import kv
 from harness.errors import ConfigError
 from harness.formats import ATTN_IMPLS, COMPILE_MODES, COMPUTE_DTYPES, KV_DTYPES, KV_GROUP_SIZES
+from harness.mla import MLA_PATHS
 from harness.model_args import PRESETS, SUPPORTED_MODEL_TYPES, ModelArgs, load_args
 
 # Compute dtypes by name (harness.formats holds their sizes, and the KV storage formats).
@@ -108,6 +109,8 @@ class Workload:
     # Attention: sdpa (fused kernels, no score matrix) or eager (scores [B, H, T, S] written out, softmax, a second
     # matmul: what attention cost before FlashAttention). Eager also turns off a strategy's own decode kernels.
     attn_impl: str = field(default="sdpa", metadata={LATER_DEFAULT: "sdpa"})
+    # MLA models (harness.mla): decode attends over the latent with W_UK/W_UV absorbed, or decompresses K and V first.
+    mla_path: str = field(default="absorbed", metadata={LATER_DEFAULT: "absorbed"})
 
     def __post_init__(self) -> None:
         if isinstance(self.model, dict) and set(self.model) <= {f.name for f in dataclasses.fields(ModelConfig)}:
@@ -143,10 +146,12 @@ class Workload:
             raise ConfigError(f"cache.name: missing; allowed: {', '.join(kv.strategy_names())}")
         kv.parse_options(self.cache["name"], self.cache_options)
         args = self.model_args()
-        if self.kv_dtype_name == "int4" and args.head_dim % self.kv_group_size:
+        check_mla(args, cache=self.cache["name"], mla_path=self.mla_path, attn_impl=self.attn_impl)
+        width = args.cache_head_dim  # what each cached row holds: head_dim, or MLA's latent width
+        if self.kv_dtype_name == "int4" and width % self.kv_group_size:
             raise ConfigError(
-                f"kv_group_size: {args.name}'s head_dim {args.head_dim} is not a multiple of {self.kv_group_size}; "
-                f"allowed: a group size dividing {args.head_dim}"
+                f"kv_group_size: {args.name}'s cached row of {width} values is not a multiple of "
+                f"{self.kv_group_size}; allowed: a group size dividing {width}"
             )
         if self.max_tokens > args.max_seq_len:
             raise ConfigError(
@@ -311,6 +316,23 @@ class RunConfig(Workload):
         measured.update(device=self.torch_device().type, kv_dtype=self.kv_dtype_name)
         blob = json.dumps(measured, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+MLA_CACHES = ("contiguous", "paged")  # the strategies that store MLA's latent (CacheSpec.latent_v_dim)
+
+
+def check_mla(args: ModelArgs, *, cache: str, mla_path: str, attn_impl: str = "sdpa") -> None:
+    """MLA's latent is stored by contiguous and paged only; mla_path chooses between MLA's two decode paths. Eager
+    attention is not modelled for MLA (harness.plan.activations_mla counts SDPA's transients only)."""
+    check_choice("mla_path", mla_path, MLA_PATHS)
+    if args.is_mla and attn_impl != "sdpa":
+        raise ConfigError(f"attn_impl: {attn_impl} is not modelled for {args.name}'s MLA attention; allowed: sdpa")
+    if not args.is_mla and mla_path != "absorbed":
+        raise ConfigError(f"mla_path: {mla_path} decodes MLA models; {args.name} is not MLA; allowed: absorbed")
+    if args.is_mla and cache not in MLA_CACHES:
+        raise ConfigError(
+            f"cache.name: {cache} does not store {args.name}'s MLA latent; allowed: {', '.join(MLA_CACHES)}"
+        )
 
 
 def check_choice(name: str, value: str, allowed) -> None:

@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from harness.errors import Unsupported
 from harness.kv import varlen
 from harness.kv.base import KVCache
 from harness.model_args import ModelArgs
@@ -41,18 +42,20 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(args: ModelArgs, device: torch.device) -> torch.Tensor:
-    """Inverse frequencies [D / 2] in fp32: theta^(-2i/D), Llama-3-scaled when asked.
+    """Inverse frequencies [D / 2] in fp32 (D = args.rope_dim): theta^(-2i/D), Llama-3- or YaRN-scaled when asked.
 
     Mirrors transformers' `_compute_default_rope_parameters` and `_compute_llama3_parameters`: wavelengths
     longer than original_max / low_freq_factor are stretched by `factor`, shorter than original_max /
     high_freq_factor are kept, and the band between is interpolated smoothly.
     """
-    head_dim = args.head_dim
+    head_dim = args.rope_dim
     inv_freq = 1.0 / (
         args.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
     )
     if args.rope_scaling is None:
         return inv_freq
+    if args.rope_scaling["rope_type"] == "yarn":
+        return yarn_inv_freq(args.rope_scaling, base=args.rope_theta, dim=head_dim, device=device)
     factor = args.rope_scaling["factor"]
     low_freq_factor = args.rope_scaling["low_freq_factor"]
     high_freq_factor = args.rope_scaling["high_freq_factor"]
@@ -66,6 +69,28 @@ def rope_inv_freq(args: ModelArgs, device: torch.device) -> torch.Tensor:
     smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
     is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+
+
+def yarn_inv_freq(rope: dict, *, base: float, dim: int, device: torch.device) -> torch.Tensor:
+    """YaRN's inverse frequencies [dim / 2] (Peng et al. 2023, section 3.2 "NTK-by-parts"), as transformers'
+    `_compute_yarn_parameters`: frequencies that turn more than beta_fast times over the original context are kept
+    (extrapolated), fewer than beta_slow times divided by `factor` (interpolated), a linear ramp between."""
+    factor, original = rope["factor"], rope["original_max_position_embeddings"]
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction_dim(n_rotations: float) -> float:  # the channel pair that turns n_rotations times over `original`
+        return dim * math.log(original / (n_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers: no singular ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the frequency, 0: divide it by factor
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -120,10 +145,15 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + ffn(norm(.))."""
 
-    def __init__(self, args: ModelArgs, layer_index: int) -> None:
+    def __init__(self, args: ModelArgs, layer_index: int, mla_path: str = "absorbed") -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args, layer_index=layer_index)
+        if args.is_mla:
+            from harness.mla import MLAttention  # it builds on this module's RMSNorm and apply_rope
+
+            self.attention = MLAttention(args, layer_index=layer_index, path=mla_path)
+        else:
+            self.attention = Attention(args, layer_index=layer_index)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args)
 
@@ -135,11 +165,14 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, mla_path: str = "absorbed") -> None:
+        """mla_path: how an MLA model decodes (harness.mla: absorbed or naive); ignored by any other."""
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args, layer_index=i) for i in range(args.n_layers))
+        self.layers = nn.ModuleList(
+            TransformerBlock(args, layer_index=i, mla_path=mla_path) for i in range(args.n_layers)
+        )
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
@@ -164,8 +197,10 @@ class Transformer(nn.Module):
         positions = torch.arange(n_positions, device=device, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [S, D / 2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [S, D], rotate_half layout
-        self.register_buffer("rope_cos", angles.cos(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        # YaRN scales cos and sin by its attention factor (1 otherwise), as transformers' rotary embeddings do.
+        factor = self.args.rope_attention_factor
+        self.register_buffer("rope_cos", angles.cos() * factor, persistent=False)
+        self.register_buffer("rope_sin", angles.sin() * factor, persistent=False)
         self.n_positions = n_positions
 
     def forward(
@@ -197,6 +232,11 @@ class Transformer(nn.Module):
         self, tokens: torch.Tensor, batch: varlen.SeqBatch, cache: KVCache, last_only: bool
     ) -> torch.Tensor:
         assert tokens.shape == (1, batch.n_tokens), f"tokens {tuple(tokens.shape)} for a batch of {batch.n_tokens}"
+        if self.args.is_mla:
+            raise Unsupported(
+                "per-sequence lengths: MLA's latent cache is read by the batch-wide paths only (harness.mla); "
+                "allowed: a batch whose sequences move in step (experiments.decode)"
+            )
         assert max(batch.ends) <= self.n_positions, (
             f"positions up to {max(batch.ends)} asked, RoPE tables hold {self.n_positions}: call setup_rope"
         )
@@ -265,11 +305,15 @@ def _read_hf_state_dict(
     state = {"tok_embeddings.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     for i in range(args.n_layers):
         hf_prefix, prefix = f"model.layers.{i}.", f"layers.{i}."
-        qkv = [take(f"{hf_prefix}self_attn.{p}_proj.weight") for p in "qkv"]
-        state[prefix + "attention.wqkv.weight"] = torch.cat(qkv, dim=0)  # [H*D + 2*H_kv*D, dim]
-        if args.qkv_bias:
-            qkv_bias = [take(f"{hf_prefix}self_attn.{p}_proj.bias") for p in "qkv"]
-            state[prefix + "attention.wqkv.bias"] = torch.cat(qkv_bias, dim=0)
+        if args.is_mla:
+            state |= _mla_attention_state(take, hf_prefix=hf_prefix + "self_attn.", prefix=prefix + "attention.",
+                                          q_lora=args.q_lora_rank is not None)  # fmt: skip
+        else:
+            qkv = [take(f"{hf_prefix}self_attn.{p}_proj.weight") for p in "qkv"]
+            state[prefix + "attention.wqkv.weight"] = torch.cat(qkv, dim=0)  # [H*D + 2*H_kv*D, dim]
+            if args.qkv_bias:
+                qkv_bias = [take(f"{hf_prefix}self_attn.{p}_proj.bias") for p in "qkv"]
+                state[prefix + "attention.wqkv.bias"] = torch.cat(qkv_bias, dim=0)
         state[prefix + "attention.wo.weight"] = take(f"{hf_prefix}self_attn.o_proj.weight")
         gate_up = [take(f"{hf_prefix}mlp.{p}_proj.weight") for p in ("gate", "up")]
         state[prefix + "feed_forward.w13.weight"] = torch.cat(gate_up, dim=0)  # [2 * ffn, dim]
@@ -288,6 +332,13 @@ def _read_hf_state_dict(
     return state
 
 
+def _mla_attention_state(take, *, hf_prefix: str, prefix: str, q_lora: bool) -> dict[str, torch.Tensor]:
+    """DeepseekV2/V3Attention's tensors -> harness.mla.MLAttention's, one to one (o_proj is the caller's)."""
+    names = {"kv_a_proj_with_mqa": "wkv_a", "kv_a_layernorm": "kv_norm", "kv_b_proj": "wkv_b"}
+    names |= {"q_a_proj": "wq_a", "q_a_layernorm": "q_norm", "q_b_proj": "wq_b"} if q_lora else {"q_proj": "wq"}
+    return {f"{prefix}{ours}.weight": take(f"{hf_prefix}{theirs}.weight") for theirs, ours in names.items()}
+
+
 def build_model(
     args: ModelArgs,
     *,
@@ -296,11 +347,13 @@ def build_model(
     device: torch.device | str,
     seed: int,
     n_positions: int,
+    mla_path: str = "absorbed",
 ) -> Transformer:
-    """The model in eval mode with RoPE tables for n_positions, weights "dummy" (seeded) or a HF directory."""
+    """The model in eval mode with RoPE tables for n_positions, weights "dummy" (seeded) or a HF directory.
+    mla_path: an MLA model's decode path (harness.mla.MLA_PATHS); ignored by any other model."""
     device = torch.device(device)
     with torch.device("meta"):  # shapes only: no memory until the weights arrive
-        model = Transformer(args)
+        model = Transformer(args, mla_path=mla_path)
     model = model.to(dtype=dtype)
     if weights == "dummy":
         model.to_empty(device=device)

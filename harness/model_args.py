@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "deepseek_v2", "deepseek_v3")
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+# YaRN (Peng et al. 2023) as DeepSeek-V2/V3 configure it: the keys transformers' _compute_yarn_parameters reads.
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate")  # fmt: skip
 
 
 @dataclass
@@ -31,7 +36,9 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0  # RoPE base (Su et al. 2021)
     # Llama-3 frequency scaling: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"}; None -> plain RoPE.
+    # "original_max_position_embeddings"}; or YaRN (MLA models): {"rope_type": "yarn", "factor",
+    # "original_max_position_embeddings", optional "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+    # "attention_factor", "truncate"}; None -> plain RoPE.
     rope_scaling: dict | None = None
     max_seq_len: int = 4096  # the most positions the model supports
     qkv_bias: bool = False  # Qwen2 adds biases to the q, k, v projections (Qwen2 technical report, 2.1)
@@ -47,6 +54,8 @@ class ModelArgs:
     # The feed-forward is a dense SwiGLU of the MoE's active width (routed experts per token + shared experts, times
     # their width), standing in for DeepSeek's MoE: the same FLOPs per token, not the same weights.
     moe_as_dense: bool = False
+    # MLA: RoPE rotates pairs (2i, 2i+1) (DeepSeek's layout: V2 always, V3's rope_interleave) rather than (i, i + D/2).
+    rope_interleave: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_lora_rank is not None:
@@ -61,10 +70,13 @@ class ModelArgs:
             raise ValueError(f"model: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2 != 0:
             raise ValueError(f"model: head_dim {self.head_dim} must be even for RoPE")
-        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") != "llama3":
+        if self.is_mla and min(self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim) <= 0:
             raise ValueError(
-                f"model: rope_scaling type {self.rope_scaling.get('rope_type')!r} is not supported; allowed: llama3"
+                f"model: MLA needs positive kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim and v_head_dim, got "
+                f"{self.kv_lora_rank}, {self.qk_rope_head_dim}, {self.qk_nope_head_dim}, {self.v_head_dim}"
             )
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.rope_scaling, is_mla=self.is_mla)
 
     @property
     def q_dim(self) -> int:
@@ -94,15 +106,61 @@ class ModelArgs:
         return self.kv_lora_rank + self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     @property
+    def rope_dim(self) -> int:
+        """Channels RoPE rotates per head: MLA's qk_rope_head_dim, else the whole head."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """YaRN's factor on cos and sin (so on q·k twice over), as transformers' _compute_yarn_parameters sets it:
+        `attention_factor` if given, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set,
+        else mscale(factor). 1 for any other RoPE."""
+        rope = self.rope_scaling
+        if rope is None or rope["rope_type"] != "yarn":
+            return 1.0
+        if rope.get("attention_factor") is not None:
+            return float(rope["attention_factor"])
+        if rope.get("mscale") and rope.get("mscale_all_dim"):
+            return yarn_mscale(rope["factor"], rope["mscale"]) / yarn_mscale(rope["factor"], rope["mscale_all_dim"])
+        return yarn_mscale(rope["factor"])
+
+    @property
+    def softmax_scale(self) -> float:
+        """The factor on q·k before the softmax: 1 / sqrt(q's head width), times YaRN's mscale(factor,
+        mscale_all_dim)^2 when it sets mscale_all_dim (transformers' DeepseekV2/V3Attention: yarn_apply_mscale; the
+        DeepSeek-V2 reference code does the same). MLA's head width is nope + rope, whichever path attends."""
+        scale = self.head_dim**-0.5
+        rope = self.rope_scaling
+        if rope is not None and rope["rope_type"] == "yarn" and rope.get("mscale_all_dim"):
+            scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
+        return scale
+
+    @property
     def n_params(self) -> int:
         """Parameters of the built model, counted analytically (a tied lm_head counts once)."""
-        qkv_out = self.q_dim + 2 * self.kv_dim
-        attention = self.dim * qkv_out + (qkv_out if self.qkv_bias else 0) + self.q_dim * self.dim
+        if self.is_mla:
+            attention = self.mla_attention_params
+        else:
+            qkv_out = self.q_dim + 2 * self.kv_dim
+            attention = self.dim * qkv_out + (qkv_out if self.qkv_bias else 0) + self.q_dim * self.dim
         feed_forward = 3 * self.dim * self.intermediate_size  # gate, up, down
         norms = 2 * self.dim
         embeddings = self.vocab_size * self.dim
         lm_head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return embeddings + self.n_layers * (attention + feed_forward + norms) + self.dim + lm_head
+
+    @property
+    def mla_attention_params(self) -> int:
+        """One MLA layer's attention weights (harness.mla): q (one projection, or the low-rank pair with its norm),
+        kv_a (dim -> latent + rope key), its norm, kv_b (latent -> every head's nope key and value), o."""
+        q_out = self.n_heads * self.head_dim
+        if self.q_lora_rank is None:
+            q = self.dim * q_out
+        else:
+            q = self.dim * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * q_out
+        kv_a = self.dim * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        kv_b = self.kv_lora_rank * self.n_heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv_a + kv_b + self.n_heads * self.v_head_dim * self.dim
 
     @classmethod
     def from_name(cls, name: str) -> ModelArgs:
@@ -112,26 +170,34 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], name: str) -> ModelArgs:
-        """From a Hugging Face `config.json` of a llama, mistral or qwen2 model.
+        """From a Hugging Face `config.json` of a llama, mistral, qwen2, deepseek_v2 or deepseek_v3 model.
 
         Reads both layouts: `rope_theta` + `rope_scaling` (transformers 4.x, the files on the Hub) and
         `rope_parameters` (transformers 5.x, which folds rope_theta in).
         """
+        model_type = config.get("model_type")
+        is_mla = model_type in MLA_MODEL_TYPES
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         rope_theta = rope.pop("rope_theta", None) or config.get("rope_theta", 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type == "default":
             rope_scaling = None
-        elif rope_type == "llama3":
+        elif rope_type == "llama3" and not is_mla:
             rope_scaling = {**rope, "rope_type": "llama3"}
+        elif rope_type == "yarn" and is_mla:
+            rope_scaling = {key: rope[key] for key in YARN_KEYS if rope.get(key) is not None} | {"rope_type": "yarn"}
+            if rope_scaling.get("factor") is None:  # transformers: the ratio of the two context lengths
+                rope_scaling["factor"] = config["max_position_embeddings"] / rope["original_max_position_embeddings"]
         else:
-            raise ValueError(f"weights: rope_type {rope_type!r} is not supported; allowed: default, llama3")
+            allowed = "default, yarn" if is_mla else "default, llama3"
+            raise ValueError(f"weights: rope_type {rope_type!r} is not supported for {model_type}; allowed: {allowed}")
         max_seq_len = config["max_position_embeddings"]
         # Mistral v0.1 (and Qwen2 with use_sliding_window) attend over a window. Within the window that is full
         # causal attention, so capping the supported positions keeps this model exact without a window mask.
-        uses_window = config.get("model_type") != "qwen2" or config.get("use_sliding_window", False)
+        uses_window = model_type != "qwen2" or config.get("use_sliding_window", False)
         if uses_window and config.get("sliding_window"):
             max_seq_len = min(max_seq_len, config["sliding_window"])
+        mla = _mla_fields(config, name) if is_mla else {}
         return cls(
             name=name,
             vocab_size=config["vocab_size"],
@@ -139,15 +205,59 @@ class ModelArgs:
             n_layers=config["num_hidden_layers"],
             n_heads=config["num_attention_heads"],
             n_kv_heads=config.get("num_key_value_heads"),
-            head_dim=config.get("head_dim"),
+            head_dim=config.get("head_dim"),  # MLA: replaced by nope + rope (transformers stores the rope width here)
             intermediate_size=config["intermediate_size"],
             norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             max_seq_len=max_seq_len,
-            qkv_bias=config.get("model_type") == "qwen2",
+            qkv_bias=model_type == "qwen2",
             tie_embeddings=config.get("tie_word_embeddings", False),
+            **mla,
         )
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1 * mscale * ln(factor) + 1 (Peng et al. 2023, eq. 22; 1 without stretch)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _check_rope_scaling(rope: dict, *, is_mla: bool) -> None:
+    rope_type = rope.get("rope_type")
+    allowed = "yarn" if is_mla else "llama3"
+    if rope_type != allowed:
+        raise ValueError(f"model: rope_scaling type {rope_type!r} is not supported here; allowed: {allowed}")
+    if rope_type == "yarn":
+        unknown = sorted(set(rope) - {"rope_type", *YARN_KEYS})
+        if unknown:
+            raise ValueError(f"model: rope_scaling key {unknown[0]!r} is not YaRN's; allowed: {', '.join(YARN_KEYS)}")
+        for key in ("factor", "original_max_position_embeddings"):
+            if not isinstance(rope.get(key), (int, float)) or rope[key] <= 0:
+                raise ValueError(f"model: rope_scaling.{key} must be a positive number for YaRN, got {rope.get(key)!r}")
+
+
+def _mla_fields(config: dict[str, Any], name: str) -> dict[str, Any]:
+    """A DeepSeek-V2/V3 config's attention shapes; its checkpoint must be dense, as this model is."""
+    n_layers, n_experts = config["num_hidden_layers"], config.get("n_routed_experts")
+    first_dense = config.get("first_k_dense_replace", 0)
+    if n_experts and first_dense < n_layers:
+        raise ValueError(
+            f"weights: {name} has MoE layers ({n_experts} routed experts from layer {first_dense} of {n_layers}), "
+            "which this dense model cannot load; allowed: a dense checkpoint (first_k_dense_replace >= "
+            "num_hidden_layers)"
+        )
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise ValueError(f"weights: {name} sets {key}; allowed: {key} false (DeepSeek's checkpoints)")
+    return dict(
+        kv_lora_rank=config["kv_lora_rank"],
+        q_lora_rank=config.get("q_lora_rank"),
+        qk_rope_head_dim=config["qk_rope_head_dim"],
+        qk_nope_head_dim=config["qk_nope_head_dim"],
+        v_head_dim=config["v_head_dim"],
+        # V2's complex RoPE rotates interleaved pairs; V3 does when rope_interleave (its default) is set.
+        rope_interleave=config.get("model_type") == "deepseek_v2" or config.get("rope_interleave", True),
+    )
 
 
 # Deltas from the ModelArgs defaults. Real shapes come from each model's Hugging Face config.json.
@@ -210,9 +320,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_seq_len=32768,
         qkv_bias=True,
     ),
-    # deepseek-ai/DeepSeek-V2-Lite config.json's attention (MLA, no q compression) and dense shapes; its MoE (64
-    # routed experts of 1408, 6 per token, 2 shared; layer 0 dense) as a dense FFN of the active width 8 x 1408.
-    # Its YaRN RoPE scaling (factor 40 over 4096 positions) is left out: dummy weights cost the same without it.
+    # deepseek-ai/DeepSeek-V2-Lite config.json's attention (MLA, no q compression), dense shapes and YaRN; its MoE
+    # (64 routed experts of 1408, 6 per token, 2 shared; layer 0 dense) as a dense FFN of the active width 8 x 1408.
     "deepseek-v2-lite": dict(
         vocab_size=102400,
         dim=2048,
@@ -225,11 +334,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         qk_nope_head_dim=128,
         v_head_dim=128,
         moe_as_dense=True,
+        rope_interleave=True,
+        rope_scaling=dict(
+            rope_type="yarn",
+            factor=40.0,
+            original_max_position_embeddings=4096,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=0.707,
+            mscale_all_dim=0.707,
+        ),
         max_seq_len=163840,
     ),
-    # deepseek-ai/DeepSeek-V3 config.json's attention (MLA with q_lora_rank 1536) and dense shapes; its MoE (256
-    # routed experts of 2048, 8 per token, 1 shared; layers 0-2 dense at 18432) as a dense FFN of 9 x 2048 = 18432.
-    # YaRN left out as for V2-Lite.
+    # deepseek-ai/DeepSeek-V3 config.json's attention (MLA with q_lora_rank 1536), dense shapes and YaRN; its MoE
+    # (256 routed experts of 2048, 8 per token, 1 shared; layers 0-2 dense at 18432) as a dense FFN of 9 x 2048.
     "deepseek-v3": dict(
         vocab_size=129280,
         dim=7168,
@@ -243,7 +361,45 @@ PRESETS: dict[str, dict[str, Any]] = {
         qk_nope_head_dim=128,
         v_head_dim=128,
         moe_as_dense=True,
+        rope_interleave=True,
+        rope_scaling=dict(
+            rope_type="yarn",
+            factor=40.0,
+            original_max_position_embeddings=4096,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
         max_seq_len=163840,
+    ),
+    # ~217M parameters, `small`'s width and depth with MLA attention (V2-Lite's ratios halved): the latent cache
+    # holds 256 + 64 values per token and layer, against small's GQA 2 x 4 x 64 = 512.
+    "mla-small": dict(
+        dim=1024,
+        n_layers=12,
+        n_heads=16,
+        intermediate_size=2816,
+        kv_lora_rank=256,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        rope_interleave=True,
+        max_seq_len=8192,
+    ),
+    # ~0.1M parameters, MLA: for tests.
+    "mla-tiny": dict(
+        vocab_size=256,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        intermediate_size=128,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        rope_interleave=True,
+        max_seq_len=8192,
     ),
     # ~201M parameters: big enough that decode is memory-bound on a CPU, small enough to sweep there.
     "small": dict(

@@ -13,6 +13,7 @@ from harness.errors import ConfigError, Unsupported
 from harness.kv import varlen
 from harness.kv.base import CacheSpec
 from harness.model import build_model
+from harness.model_args import ModelArgs
 from harness.plan import ledger
 from harness.run import runner
 from harness.run.bench import run_point
@@ -291,3 +292,38 @@ def test_a_prefill_in_chunks_is_unsupported_with_the_reason(tiny_args):
     cache.prepare(0, 8)
     with pytest.raises(Unsupported, match=r"^cache\.evict: a forward of 4 tokens at position 8"):
         cache.prepare(8, 4)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "knorm", "random"])
+def test_with_real_weights_a_budget_under_the_length_fills_the_perplexity_delta_and_top1(llama_checkpoint, policy):
+    row = run_point(
+        RunConfig(
+            weights=str(llama_checkpoint),
+            dtype="fp32",
+            cache={"name": "evict", "policy": policy, "budget": 24, "window": 4},
+            batch_size=2,
+            prompt_len=48,
+            gen_len=16,
+            eval_text=str(llama_checkpoint / "eval.txt"),
+            **FAST,
+        )
+    ).row
+    assert row["status"] == "ok", row.get("error")
+    assert row["ppl"] > 1 and row["ppl_delta"] != 0  # 24 of 64 tokens kept: the text's perplexity moves
+    assert 0 <= row["top1_agreement"] <= 1 and row["kl_mean"] > 0
+
+
+def test_the_dashboard_plans_an_eviction_row_from_its_obs_window_column():
+    import pandas as pd
+
+    from dashboard import data
+
+    row = dict(model="tiny", dtype="fp32", kv_dtype="fp32", cache="evict", batch_size=1, prompt_len=64, gen_len=8,
+               policy="h2o", budget=16, obs_window=4, window=None, prefix_len=0)  # fmt: skip
+    planned = data.planner_kv_bytes(pd.DataFrame([row]))
+    expected = ledger.kv_bytes_allocated(
+        ModelArgs.from_name("tiny"),
+        cache="evict", kv_dtype="fp32", dtype="fp32", batch_size=1, prompt_len=64, gen_len=8, policy="h2o",
+        budget=16, window=4,
+    )  # fmt: skip
+    assert planned.iloc[0] == expected  # before: window read from the sliding column (null), its default 32 > budget

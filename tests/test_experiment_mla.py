@@ -20,17 +20,28 @@ from harness.model_args import PRESETS
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
-@pytest.fixture()
-def jobs() -> list[list[str]]:
+def sweep(*overrides: str) -> list[list[str]]:
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        config = compose(config_name="config", overrides=["experiment=mla"], return_hydra_config=True)
+        config = compose(config_name="config", overrides=["experiment=mla", *overrides], return_hydra_config=True)
         return sweep_jobs(config)
 
 
-def test_the_mla_sweep_crosses_model_path_and_context(jobs):
-    assert len(jobs) == 2 * 2 * 3
+@pytest.fixture()
+def jobs() -> list[list[str]]:
+    return sweep()
+
+
+def test_the_mla_sweep_crosses_model_and_context(jobs):
+    assert len(jobs) == 2 * 3
     keys = {override.partition("=")[0] for job in jobs for override in job}
-    assert {"model.name", "mla_path", "prompt_len"} <= keys
+    assert {"model.name", "prompt_len"} <= keys
+
+
+def test_the_naive_path_command_sweeps_the_mla_model_alone_and_validates():
+    jobs = sweep("model.name=mla-small", "mla_path=naive")
+    assert len(jobs) == 3 and all("model.name=mla-small" in job for job in jobs)
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        validate_points([[*job, "mla_path=naive"] for job in jobs])
 
 
 def test_every_point_of_the_mla_sweep_validates(jobs):

@@ -49,26 +49,39 @@ class CacheSpec:
     prefix_len: int = 0  # leading prompt tokens every sequence of the batch shares (a system prompt)
     dtype: str | None = None  # the model's compute dtype name, when the caller knows it
     attn_impl: str = "sdpa"  # harness.formats.ATTN_IMPLS: SDPA's fused kernels, or eager's materialized scores
+    # MLA's latent (harness.mla): no V is stored, V is the first latent_v_dim channels of K ([c_kv | k_rope]);
+    # 0: K and V are stored apart.
+    latent_v_dim: int = 0
+    softmax_scale: float | None = None  # the factor on q·k in attend; None: 1 / sqrt(q's head width), SDPA's
 
     @classmethod
     def for_model(cls, args, *, batch_size: int, max_tokens: int, kv_dtype: str, device: torch.device, **quant):
-        """From a harness.model_args.ModelArgs (any object with n_layers, n_kv_heads, head_dim)."""
+        """From a harness.model_args.ModelArgs (any object with n_layers, n_kv_heads, head_dim): the heads and
+        width the cache stores per token (MLA: one latent head of kv_lora_rank + qk_rope_head_dim)."""
+        is_mla = getattr(args, "is_mla", False)
         return cls(
             n_layers=args.n_layers,
-            n_kv_heads=args.n_kv_heads,
-            head_dim=args.head_dim,
+            n_kv_heads=getattr(args, "cache_heads", args.n_kv_heads),
+            head_dim=getattr(args, "cache_head_dim", args.head_dim),
             batch_size=batch_size,
             max_tokens=max_tokens,
             kv_dtype=kv_dtype,
             device=device,
+            latent_v_dim=args.kv_lora_rank if is_mla else 0,
+            softmax_scale=args.softmax_scale if is_mla else None,
             **quant,
         )
 
     @property
+    def sides(self) -> tuple[str, ...]:
+        """What is stored per token: ("k", "v"), or MLA's latent alone, ("k",)."""
+        return ("k",) if self.latent_v_dim else ("k", "v")
+
+    @property
     def bytes_per_token(self) -> float:
         """K and V of one token of one sequence across all layers, in bytes, scales excluded (the seed notes'
-        formula per token: 2 x layers x kv_heads x head_dim x bytes)."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * BITS[self.kv_dtype] / 8
+        formula per token: 2 x layers x kv_heads x head_dim x bytes; MLA: layers x (R + P) x bytes)."""
+        return len(self.sides) * self.n_layers * self.n_kv_heads * self.head_dim * BITS[self.kv_dtype] / 8
 
     @property
     def plain_dtype(self) -> torch.dtype:
@@ -117,7 +130,13 @@ class KVCache(Protocol):
 
 
 def grouped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *, impl: str = "sdpa"
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    impl: str = "sdpa",
+    scale: float | None = None,
 ) -> torch.Tensor:
     """q [B, H, T, D] over k, v [B, H_kv, S, D] in q's dtype, each group of G = H / H_kv query heads sharing one
     K/V head; mask [T, S] bool (True = attend), or None when every query sees every key. Returns [B, H, T, D].
@@ -143,15 +162,18 @@ def grouped_attention(
     folded_q = q.reshape(batch, n_kv_heads, group * n_new, head_dim)  # copies q when it is a transposed view
     folded_mask = mask if mask is None or group == 1 else mask.repeat(group, 1)  # row g*T + t is query t
     if impl == "eager":
-        out = eager_attention(folded_q, k, v, mask=folded_mask)
+        out = eager_attention(folded_q, k, v, mask=folded_mask, scale=scale)
     else:
-        out = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=folded_mask)
-    return out.view(batch, n_heads, n_new, head_dim)
+        out = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=folded_mask, scale=scale)
+    return out.view(batch, n_heads, n_new, v.shape[-1])  # V's width: MLA's differs from q's
 
 
-def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def eager_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *, scale: float | None = None
+) -> torch.Tensor:
     """Attention as it ran before FlashAttention (Dao et al. 2022): the scores written out, then softmax, then a
-    second matmul. q [B, H, T, D], k and v [B, H, S, D] (GQA already folded), mask [T, S] bool or None -> [B, H, T, D].
+    second matmul. q [B, H, T, D], k [B, H, S, D] and v [B, H, S, D_v] (GQA already folded), mask [T, S] bool or
+    None, scale the factor on q·k (None: 1 / sqrt(D)) -> [B, H, T, D_v].
 
     Per layer it materializes the scores [B, H, T, S] and the probabilities [B, H, T, S], both in the compute dtype:
     written, read by softmax, written, read by p·v (4 passes over T·S values per head; a mask adds a read and a
@@ -160,36 +182,47 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     softmax is a third transient of [B, H, T, S] · 4 bytes while it runs. Labelled `kvbench::attention`, so the
     profiler counts its matmuls as attention, not GEMM."""
     with record_function("kvbench::attention"):
-        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)  # [B, H, T, S]; q scaled first: T·D, not T·S
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        scores = (q * scale) @ k.transpose(-1, -2)  # [B, H, T, S]; q scaled first: T·D, not T·S
         if mask is not None:
             scores = scores.masked_fill_(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, H, T, S]
         del scores
-        return probs @ v  # [B, H, T, D]
+        return probs @ v  # [B, H, T, D_v]
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, *, impl: str = "sdpa") -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start_pos: int,
+    *,
+    impl: str = "sdpa",
+    scale: float | None = None,
+) -> torch.Tensor:
     """Causal attention of T new queries at positions start_pos.. over S = start_pos + T keys.
 
-    q [B, H, T, D]; k, v [B, H_kv, S, D] in any storage dtype (cast to q's); returns [B, H, T, D].
-    GQA/MQA: each group of H / H_kv query heads shares one K/V head (Ainslie et al. 2023).
+    q [B, H, T, D]; k [B, H_kv, S, D], v [B, H_kv, S, D_v] in any storage dtype (cast to q's); returns
+    [B, H, T, D_v]. GQA/MQA: each group of H / H_kv query heads shares one K/V head (Ainslie et al. 2023).
     impl: "sdpa" (fused kernels) or "eager" (eager_attention: the scores materialized), harness.formats.ATTN_IMPLS.
+    scale: the factor on q·k (None: 1 / sqrt(D); MLA's differs, harness.model_args.ModelArgs.softmax_scale).
     """
     n_new, n_keys = q.shape[2], k.shape[2]
     assert n_keys == start_pos + n_new, f"cache holds {n_keys} keys, expected {start_pos + n_new}"
     k, v = k.to(q.dtype), v.to(q.dtype)
     if n_new == 1:
         # One decode token sees every key: no mask, and GQA folded so every K/V head is read once for its group.
-        return grouped_attention(q, k, v, impl=impl)
+        return grouped_attention(q, k, v, impl=impl, scale=scale)
     if start_pos == 0 and impl != "eager":
         # Square causal: no mask tensor, so flash (which takes GQA natively) runs on CUDA in fp16/bf16. (fp32 with
         # GQA still takes the math backend on CUDA up to torch 2.13: flash takes no fp32, see grouped_attention.)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     # Queries start mid-sequence (chunked prefill, the suffix after a cached prefix), or eager's prefill: query i
     # sees keys 0..start_pos+i, a lower-right causal mask [T, S], which is_causal (upper-left) cannot express.
     q_pos = torch.arange(start_pos, n_keys, device=q.device)[:, None]
     k_pos = torch.arange(n_keys, device=q.device)[None, :]
-    return grouped_attention(q, k, v, mask=k_pos <= q_pos, impl=impl)
+    return grouped_attention(q, k, v, mask=k_pos <= q_pos, impl=impl, scale=scale)
 
 
 def blocks_for(n_tokens: int, block_size: int) -> int:

@@ -50,7 +50,8 @@ class ContiguousCache:
         # one: a compiled step that mutates two views of one base makes AOTAutograd merge them into a synthetic base
         # that is no longer a static input, and CUDA graph trees then skip the graph (harness.decode).
         self.k = torch.zeros(shape, dtype=data.dtype, device=spec.device)
-        self.v = torch.zeros(shape, dtype=data.dtype, device=spec.device)
+        # MLA's latent (spec.latent_v_dim): V is K's first channels, so no V buffer.
+        self.v = torch.zeros(shape, dtype=data.dtype, device=spec.device) if "v" in spec.sides else None
         self.scales = {  # name -> [L, B, H_kv, S_max / tokens per row, width]; empty for plain formats
             name: torch.zeros(
                 (*lead, blocks_for(spec.max_tokens, part.tokens), part.width), dtype=part.dtype, device=spec.device
@@ -58,6 +59,7 @@ class ContiguousCache:
             for name, part in parts.items()
         }
         self.rows = {"k": self.k, "v": self.v, **self.scales}  # by part name
+        self.buffers = [t for t in (self.k, self.v) if t is not None]
         self.n_tokens = 0
         self.fused_dequant = self._kernel_reads(spec)  # int8/fp8 on CUDA: decode reads the codes in place
         self.attn_backend = "triton-dequant" if self.fused_dequant else "sdpa"
@@ -75,6 +77,8 @@ class ContiguousCache:
             return False
         if spec.attn_impl == "eager":  # the kernel is fused attention: eager materializes the scores instead
             return False
+        if spec.latent_v_dim:  # the kernel reads a V buffer of K's width; MLA's latent has none: gather and SDPA
+            return False
         from harness.kv import triton_paged  # imported on CUDA only: the CPU never pays for importing triton
 
         return triton_paged.kernel_unsupported(spec.kv_dtype, spec.device) is None
@@ -86,6 +90,8 @@ class ContiguousCache:
         kernel's split count for the longest context."""
         if self.spec.kv_dtype == "int4":
             raise Unsupported("compile: int4 (KIVI) quantizes key groups as they complete, a data-dependent write")
+        if self.spec.latent_v_dim:
+            raise Unsupported("compile: MLA's latent cache decodes eagerly; allowed: compile=none")
         spec = self.spec
         self._positions = torch.arange(spec.max_tokens, device=spec.device)  # [S_max]
         for tensor in self.static_tensors():
@@ -103,7 +109,7 @@ class ContiguousCache:
         """What a static-shape decode step reads from this cache: K, V, their scales, the mask's positions (masked
         path) or the kernel's one-block table (fused path). Each is a tensor of its own, none a view of another."""
         extra = [self._one_block_table] if self.fused_dequant else [self._positions]
-        return [self.k, self.v, *self.scales.values(), *extra]
+        return [*self.buffers, *self.scales.values(), *extra]
 
     def prepare(self, start_pos: int | varlen.SeqBatch, n_new: int | None = None) -> None:
         if isinstance(start_pos, varlen.SeqBatch):
@@ -149,13 +155,21 @@ class ContiguousCache:
             return self._attend_static(layer, q, k, v, start_pos)
         if isinstance(start_pos, varlen.SeqBatch):  # sequences at their own positions, flattened
             return varlen.attend(self, layer, q, k, v, start_pos, self._varlen)
-        self._write(layer, k, v, start_pos)
         if q.shape[2] == 1 and self.fused_dequant:
+            self._write(layer, k, v, start_pos)
             n_tokens = start_pos + 1
             return self._decode_in_place(layer, q, self._lengths(n_tokens), max_len=n_tokens)
-        # Read only the filled part: decode attention costs what the context costs, not what was reserved.
-        k_seq, v_seq = self._gather(layer, start_pos + k.shape[2], q.dtype)
-        return attention(q, k_seq, v_seq, start_pos, impl=self.spec.attn_impl)
+        k_seq, v_seq = self.store_and_read(layer, k, v, start_pos, dtype=q.dtype)
+        return attention(q, k_seq, v_seq, start_pos, impl=self.spec.attn_impl, scale=self.spec.softmax_scale)
+
+    def store_and_read(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor | None, start_pos: int, *, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (v None: MLA's latent) at start_pos.., then read positions 0..end-1 back, [B, H_kv, end, D]
+        each in dtype (default k's): only the filled part, so attention costs what the context costs, not what was
+        reserved. For the latent, V is the view K[..., :latent_v_dim]."""
+        self._write(layer, k, v, start_pos)
+        return self._gather(layer, start_pos + k.shape[2], k.dtype if dtype is None else dtype)
 
     def _attend_static(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
@@ -225,7 +239,7 @@ class ContiguousCache:
 
     def kv_bytes_allocated(self) -> int:
         # Data, scales, and the int4 full-precision tail (format.tensors()).
-        tensors = [self.k, self.v, *self.scales.values(), *self.format.tensors()]
+        tensors = [*self.buffers, *self.scales.values(), *self.format.tensors()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def kv_bytes_live(self) -> int:

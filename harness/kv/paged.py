@@ -68,7 +68,8 @@ def decode_backend(spec: CacheSpec, *, static: bool = False) -> str:
     dtype; a static-shape (compiled) step never takes it, since it plans on the host every step. The kernel modules
     are imported only on CUDA: the CPU never pays for importing triton."""
     gather = "sdpa-gather-masked" if static else "sdpa-gather"
-    if spec.device.type != "cuda" or spec.attn_impl == "eager":  # eager: the scores materialized, never a kernel
+    # eager: the scores materialized, never a kernel; the kernels read a V pool of K's width, MLA's latent has none
+    if spec.device.type != "cuda" or spec.attn_impl == "eager" or spec.latent_v_dim:
         return gather
     same_dtype = spec.dtype is not None and spec.kv_dtype == spec.dtype
     if not static and spec.kv_dtype in FLASHINFER_DTYPES and same_dtype and flashinfer_installed():
@@ -129,7 +130,9 @@ class PagedCache:
         # K and V each [L, N, H_kv, bs, D] (int4: D / 2 bytes, two values each): two tensors, not two views of one,
         # so that a compiled step mutates two static inputs (see harness.kv.contiguous).
         self.k_pool = torch.zeros(shape, dtype=data.dtype, device=spec.device)
-        self.v_pool = torch.zeros(shape, dtype=data.dtype, device=spec.device)
+        # MLA's latent (spec.latent_v_dim): V is K's first channels, so no V pool.
+        self.v_pool = torch.zeros(shape, dtype=data.dtype, device=spec.device) if "v" in spec.sides else None
+        self.pools = [t for t in (self.k_pool, self.v_pool) if t is not None]
         self.tokens_per_row = {"k": 1, "v": 1} | {name: part.tokens for name, part in parts.items()}
         self.scales = {  # name -> [L, N, H_kv, rows per block, width]; empty for plain formats
             name: torch.zeros(
@@ -161,6 +164,8 @@ class PagedCache:
         spec = self.spec
         if spec.kv_dtype == "int4":
             raise Unsupported("compile: int4 (KIVI) quantizes key groups as they complete, a data-dependent write")
+        if spec.latent_v_dim:
+            raise Unsupported("compile: MLA's latent cache decodes eagerly; allowed: compile=none")
         self.attn_backend = decode_backend(spec, static=True)
         self._positions = torch.arange(self.table.shape[1] * self.block_size, device=spec.device)  # [max_blocks*bs]
         if self.attn_backend == "triton-paged":
@@ -176,7 +181,7 @@ class PagedCache:
         """What a static-shape decode step reads from this cache: both pools, their scales, the device block table,
         and the mask's positions. Each is a tensor of its own, none a view of another."""
         positions = [self._positions] if self._positions is not None else []
-        return [self.k_pool, self.v_pool, *self.scales.values(), self.table, *positions]
+        return [*self.pools, *self.scales.values(), self.table, *positions]
 
     def _rows_per_block(self, tokens_per_row: int) -> int:
         return rows_per_block(self.block_size, tokens_per_row)
@@ -262,13 +267,21 @@ class PagedCache:
         if isinstance(start_pos, varlen.SeqBatch):  # sequences at their own positions, flattened
             kernel = self._varlen_decode if self.attn_backend == "triton-paged" else None
             return varlen.attend(self, layer, q, k, v, start_pos, self._varlen, decode_in_place=kernel)
-        self._write(layer, k, v, start_pos)
         in_place = self.attn_backend in ("flashinfer", "triton-paged")
         if q.shape[2] == 1 and in_place:  # a decode step: read the blocks in place
+            self._write(layer, k, v, start_pos)
             n_tokens = start_pos + 1
             return self._decode_in_place(layer, q, self._lengths(q.shape[0], n_tokens), max_len=n_tokens).unsqueeze(2)
-        k_seq, v_seq = self._gather(layer, start_pos + k.shape[2], q.dtype)
-        return attention(q, k_seq, v_seq, start_pos, impl=self.spec.attn_impl)
+        k_seq, v_seq = self.store_and_read(layer, k, v, start_pos, dtype=q.dtype)
+        return attention(q, k_seq, v_seq, start_pos, impl=self.spec.attn_impl, scale=self.spec.softmax_scale)
+
+    def store_and_read(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor | None, start_pos: int, *, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (v None: MLA's latent) at start_pos.., then gather positions 0..end-1 in table order,
+        [B, H_kv, end, D] each in dtype (default k's). For the latent, V is the view K[..., :latent_v_dim]."""
+        self._write(layer, k, v, start_pos)
+        return self._gather(layer, start_pos + k.shape[2], k.dtype if dtype is None else dtype)
 
     def _varlen_decode(self, layer: int, q: torch.Tensor, rows: varlen.VarlenRows) -> torch.Tensor:
         """The decoding sequences of a SeqBatch through the Triton kernel: q [b, H, D] over each one's blocks (its
@@ -415,7 +428,7 @@ class PagedCache:
     def kv_bytes_allocated(self) -> int:
         # Data and scales for every block, and the int4 full-precision tail (format.tensors(): per sequence,
         # outside the pool, at most kv_residual + kv_group_size - 1 tokens).
-        tensors = [self.k_pool, self.v_pool, *self.scales.values(), *self.format.tensors()]
+        tensors = [*self.pools, *self.scales.values(), *self.format.tensors()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def kv_bytes_live(self) -> int:

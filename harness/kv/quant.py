@@ -200,33 +200,44 @@ def _part_name(side: str, part: str) -> str:
     return side if part == "data" else f"{side}_{part}"
 
 
-class TokenFormat:
-    """Plain and per-token formats: every part has a row per token, written as the token arrives."""
+def _stored(sides: tuple[str, ...], k: torch.Tensor, v: torch.Tensor | None) -> tuple[tuple[str, torch.Tensor], ...]:
+    """(side, tensor) for each stored side: MLA's latent (sides ("k",)) stores K alone, v is None."""
+    return (("k", k),) if sides == ("k",) else (("k", k), ("v", v))
 
-    def __init__(self, codec: TokenCodec, head_dim: int) -> None:
-        self.codec = codec
+
+class TokenFormat:
+    """Plain and per-token formats: every part has a row per token, written as the token arrives.
+
+    latent_v_dim > 0 (MLA's latent, harness.kv.base.CacheSpec): only K is stored, and read returns V as the view
+    K[..., :latent_v_dim]."""
+
+    def __init__(self, codec: TokenCodec, head_dim: int, latent_v_dim: int = 0) -> None:
+        self.codec, self.latent_v_dim = codec, latent_v_dim
+        self.sides = ("k",) if latent_v_dim else ("k", "v")
         self.codec_parts = {  # shapes and dtypes only: the meta device allocates nothing
             name: Part(1, t.shape[-1], t.dtype) for name, t in codec.alloc((1, head_dim), torch.device("meta")).items()
         }
 
     def parts(self) -> dict[str, Part]:
         """The "data" part is K's and V's alike; the scales are per side ("k_scale", "v_scale")."""
-        scales = {_part_name(side, p): part for side in "kv" for p, part in self.codec_parts.items() if p != "data"}
+        scales = {
+            _part_name(side, p): part for side in self.sides for p, part in self.codec_parts.items() if p != "data"
+        }
         return {"data": self.codec_parts["data"], **scales}
 
-    def write(self, store: RowStore, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> None:
+    def write(self, store: RowStore, layer: int, k: torch.Tensor, v: torch.Tensor | None, start_pos: int) -> None:
         with record_function("kvbench::kv_write"):  # harness.profile: what runs inside is KV time
-            for side, x in (("k", k), ("v", v)):
+            for side, x in _stored(self.sides, k, v):
                 for part, rows in self.codec.encode(x).items():
                     store.put_rows(layer, _part_name(side, part), rows, start_pos)
 
     def read(self, store: RowStore, layer: int, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         with record_function("kvbench::kv_read"):
-            k, v = (
+            k, *v = (
                 self.codec.decode({p: store.get_rows(layer, _part_name(side, p), end) for p in self.codec_parts}, dtype)
-                for side in "kv"
+                for side in self.sides
             )
-            return k, v
+            return k, v[0] if v else k[..., : self.latent_v_dim]
 
     def tensors(self) -> list[torch.Tensor]:
         return []  # everything lives in the strategy's parts
@@ -237,27 +248,27 @@ class Int4Kivi:
 
     def __init__(self, spec: CacheSpec) -> None:
         self.spec, self.group, self.residual = spec, spec.kv_group_size, spec.kv_residual
-        if spec.head_dim % self.group:
+        self.sides, self.latent_v_dim = spec.sides, spec.latent_v_dim  # MLA's latent: K alone, V its first channels
+        if "v" in self.sides and spec.head_dim % self.group:  # values group channels; keys group tokens
             raise Unsupported(
                 f"int4: kv_group_size {self.group} does not divide head_dim {spec.head_dim}; "
                 "allowed: a group size dividing head_dim"
             )
         # Ring capacity per side: the most tokens ever waiting in full precision (n - n_quantized(n) at its largest).
-        self.capacity = {
-            "k": min(self.residual + self.group - 1, spec.max_tokens),
-            "v": min(self.residual, spec.max_tokens),
-        }
+        capacity = {"k": min(self.residual + self.group - 1, spec.max_tokens), "v": min(self.residual, spec.max_tokens)}
+        self.capacity = {side: capacity[side] for side in self.sides}
         self.tail: dict[str, torch.Tensor] = {}  # side -> [L, B, H_kv, capacity, D]; allocated on the first write
 
     def parts(self) -> dict[str, Part]:
         d, g = self.spec.head_dim, self.group
-        return {
+        parts = {
             "data": Part(1, d // 2, torch.uint8),
             "k_scale": Part(g, d, SCALE_DTYPE),
             "k_zero": Part(g, d, SCALE_DTYPE),
-            "v_scale": Part(1, d // g, SCALE_DTYPE),
-            "v_zero": Part(1, d // g, SCALE_DTYPE),
         }
+        if "v" in self.sides:
+            parts |= {"v_scale": Part(1, d // g, SCALE_DTYPE), "v_zero": Part(1, d // g, SCALE_DTYPE)}
+        return parts
 
     def n_quantized(self, side: str, n_tokens: int) -> int:
         """Of the first n_tokens, how many are stored quantized; the rest wait in the tail."""
@@ -267,7 +278,7 @@ class Int4Kivi:
     def _slots(self, side: str, start: int, end: int, device: torch.device) -> torch.Tensor:
         return torch.arange(start, end, device=device) % self.capacity[side]  # the ring: position p at p % capacity
 
-    def write(self, store: RowStore, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> None:
+    def write(self, store: RowStore, layer: int, k: torch.Tensor, v: torch.Tensor | None, start_pos: int) -> None:
         if not self.tail:
             spec = self.spec
             self.tail = {
@@ -276,10 +287,10 @@ class Int4Kivi:
                     dtype=k.dtype,
                     device=k.device,
                 )
-                for side in "kv"
+                for side in self.sides
             }
         with record_function("kvbench::kv_write"):
-            for side, x in (("k", k), ("v", v)):
+            for side, x in _stored(self.sides, k, v):
                 self._write_side(store, layer, side, x, start_pos)
 
     def _write_side(self, store: RowStore, layer: int, side: str, x: torch.Tensor, start: int) -> None:
@@ -303,8 +314,8 @@ class Int4Kivi:
 
     def read(self, store: RowStore, layer: int, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         with record_function("kvbench::kv_read"):
-            k, v = (self._read_side(store, layer, side, end, dtype) for side in "kv")
-            return k, v
+            k, *v = (self._read_side(store, layer, side, end, dtype) for side in self.sides)
+            return k, v[0] if v else k[..., : self.latent_v_dim]
 
     def _read_side(self, store: RowStore, layer: int, side: str, end: int, dtype: torch.dtype) -> torch.Tensor:
         n = self.n_quantized(side, end)
@@ -326,4 +337,4 @@ def storage_format(spec: CacheSpec) -> TokenFormat | Int4Kivi:
     """The format object for spec.kv_dtype: one per cache (int4's holds that cache's tail)."""
     if spec.kv_dtype == "int4":
         return Int4Kivi(spec)
-    return TokenFormat(token_codec(spec.kv_dtype), spec.head_dim)
+    return TokenFormat(token_codec(spec.kv_dtype), spec.head_dim, latent_v_dim=spec.latent_v_dim)

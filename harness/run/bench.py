@@ -30,7 +30,15 @@ log = logging.getLogger(__name__)
 # Decode steps the warm-up must run for a compiled step: torch.compile traces at the first call; CUDA graph trees
 # (reduce-overhead) run the second as their own warm-up and record at the third. Only replays are timed.
 COMPILE_WARMUP_STEPS = 3
-OPTION_COLUMNS = ("block_size", "pool_tokens", "window", "sinks")  # the schema's option columns, null by default
+OPTION_COLUMNS = (
+    "block_size",
+    "pool_tokens",
+    "window",
+    "sinks",
+    "policy",
+    "budget",
+    "obs_window",
+)  # the schema's option columns, null by default
 
 
 def run_point(cfg: RunConfig) -> PointResult:
@@ -61,6 +69,7 @@ def run_point(cfg: RunConfig) -> PointResult:
             device=device,
             seed=cfg.seed,
             n_positions=cfg.prompt_len + cfg.gen_len,
+            mla_path=cfg.mla_path,
         )
         prompt = make_prompts(cfg, vocab_size=args.vocab_size)
         prompt_ids = prompt.tolist()  # the ids on the host, where a prefix cache looks them up (as a server's are)
@@ -293,6 +302,9 @@ def config_columns(cfg: RunConfig) -> dict:
         "runner": "kvbench",
         "compile": cfg.compile,
         "attn_impl": cfg.attn_impl,
+        "mla_path": cfg.mla_path if args.is_mla else None,
+        "kv_lora_rank": args.kv_lora_rank,
+        "moe_as_dense": args.moe_as_dense,
         "seed": cfg.seed,
         "max_memory_gb": cfg.max_memory_gb,
         # Everything, as resolved: `kvbench-results diff` lists what changed between two rows.

@@ -37,6 +37,7 @@ WORKLOAD_COLUMNS = (
     "lengths",
     "compile",
     "attn_impl",
+    "mla_path",
     "runner",
     "loop",
 )
@@ -145,6 +146,20 @@ COLUMNS: tuple[Column, ...] = (
         "How attention ran: sdpa (fused kernels, no score matrix) or eager (scores [B, H, T, S] written out, softmax, "
         "a second matmul)",
         absent="sdpa",
+    ),
+    Column(
+        "mla_path",
+        "string",
+        "",
+        "MLA models: absorbed (attention over the cached latent, W_UK/W_UV folded in) or naive (K and V decompressed "
+        "from it each step); null for other models",
+    ),
+    Column("kv_lora_rank", "int64", "", "MLA: width of the cached latent c_kv per token and layer; null otherwise"),
+    Column(
+        "moe_as_dense",
+        "bool",
+        "",
+        "The model's MoE feed-forward stood in for by a dense one of the same active width (DeepSeek presets)",
     ),
     Column(
         "attn_backend",
