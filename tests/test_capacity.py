@@ -403,7 +403,10 @@ def test_format_ledger_shows_every_term_and_both_limits():
         ),
         (lambda: Workload("small", dtype="fp64"), r"^dtype: unknown value 'fp64'; allowed: fp32, fp16, bf16$"),
         (lambda: Workload("small", prompt_len=8192, gen_len=1), r"^prompt_len \+ gen_len: 8193 exceeds small's"),
-        (lambda: Workload("tiny", kv_dtype="int4"), r"^kv_group_size: tiny's cached row of 16 values is not a multiple of 32"),
+        (
+            lambda: Workload("tiny", kv_dtype="int4"),
+            r"^kv_group_size: tiny's cached row of 16 values is not a multiple of 32",
+        ),
         (lambda: Workload("small", cache="sliding", kv_dtype="int4"), r"^kv_dtype: sliding cannot store int4"),
         (lambda: planner.kv_bytes_per_token("small", "fp64"), r"^kv_dtype: unknown value 'fp64'"),
         (

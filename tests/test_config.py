@@ -144,7 +144,11 @@ def test_gpu_experiments_compose_and_name_cuda():
 
 
 def test_int4_needs_a_group_size_dividing_head_dim():
-    bad(r"^kv_group_size: tiny's cached row of 16 values is not a multiple of 32", model={"name": "tiny"}, kv_dtype="int4")
+    bad(
+        r"^kv_group_size: tiny's cached row of 16 values is not a multiple of 32",
+        model={"name": "tiny"},
+        kv_dtype="int4",
+    )
     bad(r"^kv_group_size: must be one of 32, 64, got 16", kv_group_size=16)
     RunConfig(model={"name": "small"}, kv_dtype="int4", kv_group_size=64)  # head_dim 64
 

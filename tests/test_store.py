@@ -179,6 +179,17 @@ def test_the_summary_puts_a_failed_rows_error_under_an_error_header(tmp_path):
     assert len(ok_line) < header.index("error")  # an ok row ends before the error column
 
 
+def test_the_summary_names_a_treatment_only_where_the_rows_differ_in_it(tmp_path):
+    disk.write_point(_row(point_id="a", attn_impl="sdpa"), tmp_path)
+    disk.write_point(_row(point_id="b", attn_impl="eager"), tmp_path)
+    header, *lines = format_summary(disk.load(tmp_path)).splitlines()
+    assert header.split()[:4] == ["status", "model", "cache", "attn_impl"]
+    assert sorted(line.split()[3] for line in lines) == ["eager", "sdpa"]
+    same = tmp_path / "same"
+    disk.write_point(_row(point_id="a", attn_impl="sdpa"), same)
+    assert "attn_impl" not in format_summary(disk.load(same)).splitlines()[0]
+
+
 def test_the_ceilings_table_gives_a_skipped_dtype_its_reason_under_the_note_header():
     table = ceilings.format_table(fake_ceilings(), spec=ceilings.spec_for("NVIDIA L4"))
     header = next(line for line in table.splitlines() if line.startswith("ceiling"))

@@ -30,6 +30,9 @@ _SUMMARY_LAYOUT: tuple[tuple[str, str, Callable[[object], str]], ...] = (
     ("peak MiB", "peak_mem_bytes", lambda value: f"{value / _MIB_BYTES:.1f}"),
 )
 _SUMMARY_TEXT = ("status", "model", "cache", "kv_dtype", "noise", "error")  # left-aligned; numbers stay right-aligned
+# Treatments shown after `cache` only where the rows differ in them: otherwise two rows of a sweep over attn_impl (or
+# an eviction policy, or MLA's decode path) would print as the same point twice.
+_VARYING = ("attn_impl", "mla_path", "policy", "budget", "obs_window", "window")
 
 
 def text_table(
@@ -69,7 +72,11 @@ def format_summary(df: pd.DataFrame) -> str:
     df = df.reindex(columns=[c.name for c in COLUMNS]).sort_values(
         ["model", "cache", "kv_dtype", "batch_size", "prompt_len"], na_position="last", kind="stable"
     )
-    shown = pd.DataFrame({header: df[column].tolist() for header, column, _ in _SUMMARY_LAYOUT})
+    varying = [column for column in _VARYING if df[column].dropna().astype(str).nunique() > 1]
+    layout = list(_SUMMARY_LAYOUT)
+    after_cache = [header for header, _, _ in layout].index("cache") + 1
+    layout[after_cache:after_cache] = [(column, column, _cell_text) for column in varying]
+    shown = pd.DataFrame({header: df[column].tolist() for header, column, _ in layout})
     shown["noise"] = [
         noise_mark(converged=converged, host_busy=busy)
         for converged, busy in zip(df["converged"], df["host_busy"], strict=True)
@@ -77,8 +84,13 @@ def format_summary(df: pd.DataFrame) -> str:
     shown["error"] = [
         "" if status == "ok" else _shorten(error) for status, error in zip(df["status"], df["error"], strict=True)
     ]
-    formatters = {header: fmt for header, _, fmt in _SUMMARY_LAYOUT}
-    return text_table(shown, formatters=formatters, left=_SUMMARY_TEXT)
+    formatters = {header: fmt for header, _, fmt in layout}
+    return text_table(shown, formatters=formatters, left=(*_SUMMARY_TEXT, *varying))
+
+
+def _cell_text(value: object) -> str:
+    """A treatment's value: a whole number without its ".0" (a nullable int column comes back as float)."""
+    return f"{value:.0f}" if isinstance(value, float) else str(value)
 
 
 def noise_mark(*, converged: object, host_busy: object) -> str:
