@@ -73,7 +73,11 @@ class MLAttention(nn.Module):
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
         q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
         latent = torch.cat((c_kv, k_rope), dim=-1)  # [B, 1, T, R + P]: all the cache stores
-        if self.path == "absorbed":
+        # A prefill (T > 1) always runs decompressed: it is compute-bound, and the absorbed form's attention costs
+        # H·(2R + P) multiply-adds per pair against naive's H·(2n + r) (4.25x for V2-Lite), while its decompression
+        # is paid once per token. vLLM's MLA backends split the same way (vllm/v1/attention/backends/mla/common.py:
+        # the "compute friendly" form for prefill, the "data-movement friendly" absorbed form for decode).
+        if self.path == "absorbed" and n_new == 1:
             y = self._absorbed(q_nope, q_rope, latent, start_pos, cache)
         else:
             y = self._naive(q_nope, q_rope, latent, start_pos, cache)

@@ -263,8 +263,8 @@ def prefill_cost(
     A layout that recomputes (`none`) keeps no cache: KV read and written are 0, its K/V count as activations, and
     prefix_cached must be 0. Eager attention: pairs = T·(keys visible), the whole rectangle, and score_bytes
     B·pairs·L·H·eager_score_bytes_per_pair.
-    prefix_cached must be 0. MLA (`mla_path`): per-pair FLOPs of its path, and naive's decompression of every visible
-    key once (FLOPs, and its K/V as activations).
+    prefix_cached must be 0. MLA: a prefill runs decompressed whatever `mla_path` (harness.mla, as vLLM's MLA
+    backends): naive's per-pair FLOPs, and every visible key decompressed once (FLOPs, and its K/V as activations).
     """
     _check(batch_size)
     _check_attn_impl(attn_impl)
@@ -273,6 +273,8 @@ def prefill_cost(
     if layout.recomputes_prefix and prefix_cached:
         raise ValueError(f"prefix_cached: `{layout.name}` caches nothing, so no prefix can be cached")
     n_new = prompt_len - prefix_cached
+    if n_new > 1:  # MLA: a forward of several tokens runs decompressed (harness.mla); one token, the chosen path
+        mla_path = "naive"
     pairs = layout.causal_pairs(prefix_cached + 1, prompt_len)
     score_bytes = 0.0
     if attn_impl == "eager":  # every query against every visible key, masked or not

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 def mla_forward_bytes(w: Workload, *, n_seqs: int, n_new: int, n_keys: int) -> int:
     """Peak live bytes of one MLA forward over n_new new tokens per sequence attending to n_keys, on the
-    workload's decode path (its `mla_path`; absorbed until the field exists). Per token, with b = bytes(dtype),
+    workload's decode path (its `mla_path`) for one new token, decompressed (naive) for more: a prefill's path. Per token, with b = bytes(dtype),
     d = dim, Q = H·(n + r), C = R + r (kv_a's output), F = intermediate_size:
 
         norm     as GQA's (harness.plan.activations.forward_bytes)
@@ -46,6 +46,8 @@ def mla_forward_bytes(w: Workload, *, n_seqs: int, n_new: int, n_keys: int) -> i
     """
     mla_path = getattr(w, "mla_path", "absorbed")
     check_path(mla_path)
+    if n_new > 1:  # a prefill runs decompressed whatever the decode path (harness.mla.MLAttention.forward)
+        mla_path = "naive"
     layout, args, b = w.layout(), w.model_args(), DTYPE_BYTES[w.dtype]
     d, f, heads = args.dim, args.intermediate_size, args.n_heads
     nope, rope, rank, v = args.qk_nope_head_dim, args.qk_rope_head_dim, args.kv_lora_rank, args.v_head_dim
