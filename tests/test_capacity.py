@@ -270,27 +270,48 @@ class PeakLiveBytes(TorchDispatchMode):
 def test_prefill_activations_match_the_tensors_the_forward_holds(
     dtype, kv_dtype, cache, options, prompt_len, gen_len, attn_impl
 ):
+    check_prefill_activations(ACTIVATION_ARGS, dtype, kv_dtype, cache, options, prompt_len, gen_len, attn_impl)
+
+
+# MLA at the same width: the latent of 128 + 32, 8 heads of 64 + 32 (nope + rope) and values of 64.
+MLA_ACTIVATION_ARGS = ModelArgs(
+    name="mla-activation-test", vocab_size=256, dim=512, n_layers=3, n_heads=8, intermediate_size=1536,
+    kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cache", "options", "mla_path"),
+    [("fp32", "contiguous", {}, "absorbed"), ("bf16", "paged", {"block_size": 16}, "naive")],
+)
+def test_an_mla_prefill_holds_what_the_planner_says(dtype, cache, options, mla_path):
+    check_prefill_activations(MLA_ACTIVATION_ARGS, dtype, dtype, cache, options, 256, 4, "sdpa", mla_path=mla_path)
+
+
+def check_prefill_activations(
+    args, dtype, kv_dtype, cache, options, prompt_len, gen_len, attn_impl, mla_path="absorbed"
+):
     live = malloc_live_bytes_probe()
     if live is None:
         pytest.skip("needs glibc's mallinfo2")
     batch, max_tokens = 4, prompt_len + gen_len
-    model = build_model(ACTIVATION_ARGS, dtype=DTYPES[dtype], device=CPU, seed=0, n_positions=max_tokens)
+    model = build_model(args, dtype=DTYPES[dtype], device=CPU, seed=0, n_positions=max_tokens, mla_path=mla_path)
 
     def spec(kv_dtype: str) -> CacheSpec:
         return CacheSpec.for_model(
-            ACTIVATION_ARGS, batch_size=batch, max_tokens=max_tokens, kv_dtype=kv_dtype, device=CPU, dtype=dtype,
+            args, batch_size=batch, max_tokens=max_tokens, kv_dtype=kv_dtype, device=CPU, dtype=dtype,
             attn_impl=attn_impl,
         )  # fmt: skip
 
-    prompt = torch.randint(ACTIVATION_ARGS.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(args.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         prefill(model, kv.build("contiguous", spec(dtype), {}), prompt)  # BLAS buffers, thread pools: runtime
         measured_cache = kv.build(cache, spec(kv_dtype), options)
         with PeakLiveBytes(live) as tracked:
             prefill(model, measured_cache, prompt)
     workload = Workload(
-        ACTIVATION_ARGS, dtype=dtype, kv_dtype=kv_dtype, cache={"name": cache, **options}, prompt_len=prompt_len,
-        gen_len=gen_len, batch_size=batch, attn_impl=attn_impl,
+        args, dtype=dtype, kv_dtype=kv_dtype, cache={"name": cache, **options}, prompt_len=prompt_len,
+        gen_len=gen_len, batch_size=batch, attn_impl=attn_impl, mla_path=mla_path,
     )  # fmt: skip
     predicted = activations.prefill_activation_bytes(workload)
     assert abs(predicted - tracked.peak) <= 0.02 * tracked.peak + 2**20, (predicted, tracked.peak)
