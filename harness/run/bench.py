@@ -24,21 +24,13 @@ from harness.kv.base import CacheSpec
 from harness.model import build_model, weights_bytes
 from harness.probes import MemoryProbe
 from harness.run.point_result import PointResult
+from harness.store.schema import OPTION_COLUMNS
 from harness.timing import Measurement, RepeatPolicy, Sample, StepTimer, convergence_columns, measure, summarize
 
 log = logging.getLogger(__name__)
 # Decode steps the warm-up must run for a compiled step: torch.compile traces at the first call; CUDA graph trees
 # (reduce-overhead) run the second as their own warm-up and record at the third. Only replays are timed.
 COMPILE_WARMUP_STEPS = 3
-OPTION_COLUMNS = (
-    "block_size",
-    "pool_tokens",
-    "window",
-    "sinks",
-    "policy",
-    "budget",
-    "obs_window",
-)  # the schema's option columns, null by default
 
 
 def run_point(cfg: RunConfig) -> PointResult:

@@ -42,19 +42,9 @@ WORKLOAD_COLUMNS = (
     "loop",
 )
 # How a row kept its KV: the strategy, the storage format and their options (null where a strategy has none).
-KV_COLUMNS = (
-    "cache",
-    "kv_dtype",
-    "block_size",
-    "pool_tokens",
-    "window",
-    "sinks",
-    "policy",
-    "budget",
-    "obs_window",
-    "kv_group_size",
-    "kv_residual",
-)
+# The strategies' option columns (harness.kv.base.Layout.option_columns), null for a strategy without the option.
+OPTION_COLUMNS = ("block_size", "pool_tokens", "window", "sinks", "policy", "budget", "obs_window")
+KV_COLUMNS = ("cache", "kv_dtype", *OPTION_COLUMNS, "kv_group_size", "kv_residual")
 # Two rows measure the same thing when every one of these is equal: what `kvbench-results compare` pairs by.
 POINT_KEY_COLUMNS = WORKLOAD_COLUMNS + KV_COLUMNS
 
