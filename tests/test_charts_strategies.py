@@ -67,6 +67,15 @@ def test_strategy_table_without_a_baseline_leaves_the_ratios_null_with_a_note():
     assert set(table["note"]) == {strategies.NO_BASELINE}
 
 
+def test_strategy_table_without_a_baseline_has_no_interval_even_with_samples():
+    rows = frame(
+        point(kv_dtype="int8", tpot_samples_ms=[9.0, 10.0, 11.0]),
+        point(cache="evict", kv_dtype="int8", tpot_samples_ms=[8.0, 9.0, 10.0]),
+    )
+    table = strategy_table(rows)  # the baseline's samples reindexed to NaN: no ratio, so no interval
+    assert table[list(strategies.TPOT_RATIO_CI)].isna().all().all()
+
+
 def test_strategy_table_marks_treatments_with_a_row_that_did_not_converge_or_ran_on_a_busy_host():
     rows = frame(
         point(converged=False),

@@ -36,7 +36,7 @@ def strategy_row(rows: pd.DataFrame, cache: str, kv_dtype: str) -> pd.DataFrame:
 def test_the_planners_kv_bytes_are_what_each_cache_allocated_in_every_fixed_length_reference_row(reference):
     rows = reference
     fixed = rows[(rows["status"] == "ok") & (rows["lengths"] == "fixed")]
-    assert set(fixed["cache"]) == {"none", "contiguous", "paged", "sliding", "prefix"}
+    assert set(fixed["cache"]) == {"none", "contiguous", "paged", "sliding", "prefix", "evict"}
     assert data.planner_kv_bytes(fixed).tolist() == fixed["kv_bytes_allocated"].tolist()
 
 

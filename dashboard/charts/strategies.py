@@ -113,7 +113,8 @@ def strategy_table(rows: pd.DataFrame, *, intervals: bool = True) -> pd.DataFram
         base_values = values[table["baseline"].to_numpy()].droplevel("_treatment")
         base_values = base_values[~base_values.index.duplicated()].reindex(workload).to_numpy()
         table[list(TPOT_RATIO_CI)] = [
-            ratio_ci(base, line)[1:] if base and line else (np.nan, np.nan)
+            # base is NaN (reindexed) where the workload has no baseline: no ratio, so no interval
+            ratio_ci(base, line)[1:] if isinstance(base, list) and isinstance(line, list) else (np.nan, np.nan)
             for base, line in zip(base_values, values, strict=True)
         ]
     table["note"] = np.where(workload.isin(baseline.index), "", NO_BASELINE)
