@@ -217,18 +217,8 @@ def strategy_pareto(rows: pd.DataFrame) -> go.Figure:
             hovertemplate=f"%{{text}}{front_template}<br>%{{x:.4g}} MiB, %{{y:.4g}} ms<extra></extra>",
         )
     )
-    if len(groups) > 1:
-        label = workload_label(ok).loc[chosen.index[0]]
-        fig.add_annotation(
-            text=f"one workload of {len(groups)}: {label}",
-            x=0,
-            y=1,
-            xref="paper",
-            yref="paper",
-            xanchor="left",
-            yanchor="bottom",
-            showarrow=False,
-        )
+    if len(groups) > 1:  # the label only then: workload_label reads every row
+        _name_the_workload(fig, f"one workload of {len(groups)}: {workload_label(ok).loc[chosen.index[0]]}")
     fig.update_layout(title_text=title, xaxis_title_text=x_title, yaxis_title_text=y_title)
     return fig
 
@@ -306,17 +296,15 @@ def kl_against_compression(rows: pd.DataFrame) -> go.Figure:
                 hovertemplate="%{text}<br>compression %{x:.3g}x, KL %{y:.3g}, top-1 %{customdata:.3g}<extra></extra>",
             )
         )
-    if len(groups) > 1:
-        fig.add_annotation(
-            text=f"one workload of {len(groups)}: {workload_label(ok).loc[chosen.index[0]]}",
-            x=0,
-            y=1,
-            xref="paper",
-            yref="paper",
-            xanchor="left",
-            yanchor="bottom",
-            showarrow=False,
-        )
+    if len(groups) > 1:  # the label only then: workload_label reads every row
+        _name_the_workload(fig, f"one workload of {len(groups)}: {workload_label(ok).loc[chosen.index[0]]}")
     fig.update_layout(title_text=title, xaxis_title_text=x_title, yaxis_title_text=y_title)
     fig.update_xaxes(type="log")
     return fig
+
+
+def _name_the_workload(fig: go.Figure, text: str) -> None:
+    """Above the plot, which of several workloads it draws."""
+    fig.add_annotation(
+        text=text, x=0, y=1, xref="paper", yref="paper", xanchor="left", yanchor="bottom", showarrow=False
+    )
