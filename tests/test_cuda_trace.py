@@ -176,6 +176,20 @@ class HostSyncs(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def watched_step(model, cache):
+    """(step, syncs, outputs): a decode step for generate(step=) that records every host sync it would make, and
+    the step's outputs."""
+    syncs, outputs = HostSyncs(), []
+
+    def step(tokens, pos):
+        with syncs:
+            out = decode_step(model, cache, tokens, pos)
+        outputs.append(out)
+        return out
+
+    return step, syncs, outputs
+
+
 @pytest.fixture(scope="module")
 def fake_cuda():
     """A FakeTensorMode on CUDA, with the seams that reach the CUDA runtime replaced by what an H200 would answer,

@@ -12,17 +12,17 @@ import pytest
 import torch
 
 from harness import kv
-from harness.decode import decode_step, generate
+from harness.decode import generate
 from tests.test_cuda_trace import (
     CUDA,
     GEN_LEN,
     OPTIONS,
     FakeTimer,
-    HostSyncs,
     fake_cuda,
     host_prompt,
     pytestmark,  # noqa: F401 (cuda_trace, and the skip on a CPU build of torch)
     spec_for,
+    watched_step,
 )
 
 __all__ = ["fake_cuda"]  # the fixture, imported for pytest to find
@@ -40,13 +40,7 @@ def test_an_eager_generation_traces_on_fake_cuda_without_a_host_sync(fake_cuda, 
         spec = dataclasses.replace(spec_for(model.args, kv_dtype, 0), attn_impl="eager")
         cache = kv.build(cache_name, spec, OPTIONS.get(cache_name, {}))
         assert cache.attn_backend.startswith("sdpa"), f"eager must not run a kernel: {cache.attn_backend}"
-        syncs, steps = HostSyncs(), []
-
-        def step(tokens, pos):
-            with syncs:
-                out = decode_step(model, cache, tokens, pos)
-            steps.append(out)
-            return out
+        step, syncs, steps = watched_step(model, cache)
 
         generated, _ = generate(model, cache, prompt_ids.to(CUDA), GEN_LEN, FakeTimer(), step=step, prompt_ids=host_ids)
     assert syncs.found == [], f"host syncs inside a decode step: {sorted(set(syncs.found))}"

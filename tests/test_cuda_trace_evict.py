@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from harness import kv
-from harness.decode import decode_step, generate
+from harness.decode import generate
 from tests import test_cuda_trace as trace
-from tests.test_cuda_trace import CUDA, GEN_LEN, FakeTimer, HostSyncs, host_prompt, spec_for
+from tests.test_cuda_trace import CUDA, GEN_LEN, FakeTimer, host_prompt, spec_for, watched_step
 
 fake_cuda = trace.fake_cuda  # the shared fixture: the fake mode and the fake models
 
@@ -26,11 +26,7 @@ def test_every_policy_evicts_on_the_device_without_a_host_sync(fake_cuda, policy
     prompt_ids = host_prompt(model.args, 0)
     with fake_mode:
         cache = kv.build("evict", spec_for(model.args, kv_dtype, 0), {"policy": policy, "budget": 128, "window": 16})
-        syncs = HostSyncs()
-
-        def step(tokens, pos):
-            with syncs:
-                return decode_step(model, cache, tokens, pos)
+        step, syncs, _ = watched_step(model, cache)
 
         generated, _ = generate(model, cache, prompt_ids.to(CUDA), GEN_LEN, FakeTimer(), step=step)
     assert syncs.found == [], f"host syncs inside a decode step: {sorted(set(syncs.found))}"

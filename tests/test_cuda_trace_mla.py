@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from harness import kv
-from harness.decode import decode_step, generate
+from harness.decode import generate
 from harness.kv.base import CacheSpec
 from harness.kv.quant import BITS
 from harness.model import Transformer
@@ -27,8 +27,8 @@ from tests.test_cuda_trace import (
     FakeEvent,
     FakeStream,
     FakeTimer,
-    HostSyncs,
     _is_cuda_build,
+    watched_step,
 )
 
 pytestmark = pytest.mark.cuda_trace
@@ -87,13 +87,7 @@ def test_an_mla_generation_traces_on_fake_cuda_without_host_syncs(fake_cuda, pre
     with fake_cuda:
         model = fake_model(args, mla_path)
         cache = kv.build(cache_name, spec, options)
-        syncs, steps = HostSyncs(), []
-
-        def step(tokens, pos):
-            with syncs:
-                out = decode_step(model, cache, tokens, pos)
-            steps.append(out)
-            return out
+        step, syncs, steps = watched_step(model, cache)
 
         generated, sample = generate(model, cache, prompt_ids.to(CUDA), GEN_LEN, FakeTimer(), step=step,
                                      prompt_ids=prompt_ids.tolist())  # fmt: skip
