@@ -415,6 +415,19 @@ class PagedCache:
         batch, n_blocks, heads, _, width = blocks.shape
         return blocks.transpose(1, 2).reshape(batch, heads, n_blocks * rows_per_block, width)[:, :, :n]
 
+    def read_blocks(self, blocks: list[int]) -> dict[str, torch.Tensor]:
+        """What `blocks` store, part by part (k, v, and a quantized format's scales): name -> [L, n, H_kv, rows,
+        width], a copy on the device, in the order given. With write_blocks, the unit a tier or a transfer moves."""
+        index = torch.tensor(blocks, dtype=torch.long, device=self.spec.device)
+        return {name: pool.index_select(1, index) for name, pool in self.rows.items() if pool is not None}
+
+    def write_blocks(self, blocks: list[int], parts: dict[str, torch.Tensor]) -> None:
+        """Store `parts` (read_blocks' shapes, on any device) into `blocks` of this pool."""
+        index = torch.tensor(blocks, dtype=torch.long, device=self.spec.device)
+        for name, pool in self.rows.items():
+            if pool is not None:
+                pool.index_copy_(1, index, parts[name].to(pool.device, non_blocking=True))
+
     def release(self) -> None:
         """The batch completed: every block goes back to the pool."""
         for blocks in self.tables:

@@ -204,6 +204,52 @@ COLUMNS: tuple[Column, ...] = (
         "Prefix caching: TTFT when the shared prefix is not cached yet (ttft_ms is then the hit); null otherwise",
     ),
     Column("prefix_hit", "bool", "", "Prefix caching: the measured prefills found the prefix cached; null otherwise"),
+    # Prefix reuse across tiers, requests and processes (cache=prefix with host_gb / disk_dir; harness/kv/tiers.py)
+    Column(
+        "ttft_host_ms",
+        "float64",
+        "ms",
+        "Prefix tiers: TTFT when the prefix's blocks are fetched from the host tier (not in device memory); null: none",
+    ),
+    Column(
+        "ttft_disk_ms",
+        "float64",
+        "ms",
+        "Prefix tiers: TTFT when the prefix's blocks are read from the disk tier's files (in neither memory tier)",
+    ),
+    Column(
+        "prefix_source",
+        "string",
+        "",
+        "Prefix tiers: where the point's first prefill found its prefix: device, host, disk, or computed (a miss)",
+    ),
+    Column(
+        "prefix_bytes_stored", "int64", "bytes", "Prefix tiers: bytes of the prefix's blocks as one tier holds them"
+    ),
+    Column(
+        "prefix_disk_read_gbps",
+        "float64",
+        "GB/s",
+        "Prefix tiers: the prefix's bytes over the time its block files took to read and check, median, GB = 1e9",
+    ),
+    Column(
+        "prefix_rejected_blocks",
+        "int64",
+        "",
+        "Prefix tiers: stored blocks refused in this point (foreign identity, corrupt file): each was a miss",
+    ),
+    Column(
+        "predicted_prefix_load_ms",
+        "float64",
+        "ms",
+        "Analytic: prefix_bytes_stored over the disk tier's stored read GB/s (the ceilings' tier figures)",
+    ),
+    Column(
+        "predicted_prefix_compute_ms",
+        "float64",
+        "ms",
+        "Analytic: the prefix's prefill FLOPs over the measured matmul peak (the roofline's prefill model)",
+    ),
     Column("repeats", "int64", "", "Measured repeats, warm-up excluded"),
     # Convergence and host noise: whether the figures above can be trusted (harness/timing.py, harness/host_noise.py)
     Column(

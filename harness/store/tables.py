@@ -1,0 +1,168 @@
+"""The column contracts of the KV-movement tables, and their one writer (torch-free, as harness.store.schema).
+
+TIER_COLUMNS: one row per (tier, direction, block size) of `python -m experiments.tiers`: the GB/s a block moves at
+between the device, the host and the disk tier (harness/tier_bandwidth.py), beside the same device's ceilings.
+Written to <results_dir>/tiers/bandwidth-<time>.parquet.
+
+PD_COLUMNS: one row per (transport, kv_dtype, context) of `python -m experiments.pd`: a prefilled request's KV sent
+from a prefill process to a decode process (harness/disagg.py), measured over a real transport, or extrapolated to a
+datasheet link (harness/spec_links.csv); `source` says which. Written to <results_dir>/pd/transfer-<time>.parquet.
+
+GB = 1e9 bytes throughout, as the ceilings.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+
+from harness.store.schema import Column, _arrow_fields
+
+TIERS_DIR = "tiers"  # <results_dir>/tiers/bandwidth-<time>.parquet
+TIER_PREFIX = "bandwidth-"
+PD_DIR = "pd"  # <results_dir>/pd/transfer-<time>.parquet
+PD_PREFIX = "transfer-"
+MEASURED = "measured"  # the `source` of a measured row; an extrapolated one reads "extrapolated: <datasheet>"
+
+TIER_COLUMNS: tuple[Column, ...] = (
+    Column("run_id", "string", "", "One run of the tiers experiment: every row it wrote shares it"),
+    Column("device", "string", "", "cpu or cuda: where the device tier lives"),
+    Column("device_name", "string", "", "The CUDA device's or the CPU's name"),
+    Column("tier", "string", "", "host or disk: the tier a block moves to or from (the other end is the device)"),
+    Column(
+        "direction",
+        "string",
+        "",
+        "d2h, h2d (device <-> host tier), write (host -> disk file), read (disk file -> host), as the block moves",
+    ),
+    Column("block_tokens", "int64", "tokens", "Tokens per block of the model the blocks are shaped for"),
+    Column("block_bytes", "int64", "bytes", "Bytes of one block: every layer's K and V (and scales) for its tokens"),
+    Column("n_blocks", "int64", "", "Blocks moved per timed repeat, each a transfer (a disk block: a file) of its own"),
+    Column("total_bytes", "int64", "bytes", "block_bytes x n_blocks: what one timed repeat moves"),
+    Column("seconds", "float64", "s", "Median seconds of one repeat (all n_blocks), warm-up excluded"),
+    Column("gbps", "float64", "GB/s", "total_bytes / seconds, GB = 1e9"),
+    Column("gbps_rse", "float64", "", "Relative standard error of the median (harness.stats' bootstrap)"),
+    Column("repeats", "int64", "", "Timed repeats behind the median"),
+    Column("pinned", "bool", "", "The host tier is page-locked (CUDA); false on the CPU, where host is device memory"),
+    Column(
+        "same_memory",
+        "bool",
+        "",
+        "Device and host tier are the same RAM (the CPU): d2h and h2d are then memory copies, not a bus",
+    ),
+    Column("direct_io", "bool", "", "Disk rows: the file was written and read with O_DIRECT (no page cache)"),
+    Column(
+        "cold_read",
+        "bool",
+        "",
+        "Disk reads: the file's pages were not in the page cache (O_DIRECT, or dropped with posix_fadvise first)",
+    ),
+    Column("disk_dir", "string", "", "Disk rows: the directory the block files were written to"),
+    Column("filesystem", "string", "", "Disk rows: the filesystem type of disk_dir (from /proc/mounts), if known"),
+    Column("peak_read_bw_gbps", "float64", "GB/s", "The device's measured streaming-read ceiling, for comparison"),
+    Column("peak_copy_bw_gbps", "float64", "GB/s", "The device's measured copy ceiling (read + write bytes)"),
+    Column("ceilings_fingerprint", "string", "", "The stored ceilings these rows sit beside"),
+    Column("source", "string", "", "measured (every tier figure here is)"),
+    Column("started_at", "string", "", "Start of the run, ISO-8601 UTC"),
+)
+
+PD_COLUMNS: tuple[Column, ...] = (
+    Column("run_id", "string", "", "One run of the pd experiment: every row it wrote shares it"),
+    Column("model", "string", "", "Model preset name"),
+    Column("weights", "string", "", "Checkpoint directory the weights were loaded from; null: seeded random"),
+    Column("device", "string", "", "cpu or cuda: where both processes computed"),
+    Column("device_name", "string", "", "The CUDA device's or the CPU's name"),
+    Column("dtype", "string", "", "Compute dtype of weights and activations"),
+    Column("kv_dtype", "string", "", "Storage dtype of the KV sent (fp8 halves the bytes of bf16)"),
+    Column("context", "int64", "tokens", "Prompt tokens prefilled, whose KV the decode process receives"),
+    Column("batch_size", "int64", "", "Sequences prefilled and sent together"),
+    Column(
+        "transport",
+        "string",
+        "",
+        "shm, tcp (loopback), gloo, nccl: measured; or a datasheet link (pcie5-x16, nvlink4, rdma-400g): extrapolated",
+    ),
+    Column(
+        "source",
+        "string",
+        "",
+        "measured, or 'extrapolated: <datasheet>' for a link this machine does not have (kv_bytes / its GB/s)",
+    ),
+    Column("kv_bytes", "int64", "bytes", "Bytes sent: K and V of every layer, with scales and int4's tail"),
+    Column("transfer_ms", "float64", "ms", "Median time from the first byte sent to the KV installed in the decoder"),
+    Column("transfer_gbps", "float64", "GB/s", "kv_bytes / transfer_ms, GB = 1e9"),
+    Column("transfer_samples_ms", "list<float64>", "ms", "Each measured transfer, in order"),
+    Column("prefill_ms", "float64", "ms", "The prefill process's prefill of `context` tokens, median"),
+    Column("first_step_ms", "float64", "ms", "The decode process's first step (it yields the first token), median"),
+    Column(
+        "ttft_pd_ms", "float64", "ms", "prefill_ms + transfer_ms + first_step_ms: time to first token, disaggregated"
+    ),
+    Column(
+        "ttft_colocated_ms",
+        "float64",
+        "ms",
+        "The same request prefilled and decoded in one process (prefill + first decode step), median",
+    ),
+    Column("tpot_ms", "float64", "ms", "The decode process's median decode step after the first"),
+    Column(
+        "transfer_over_step",
+        "float64",
+        "",
+        "transfer_ms / tpot_ms: above 1, sending this context takes longer than one decode step",
+    ),
+    Column("outputs_match", "bool", "", "The disaggregated tokens equal the colocated ones (greedy, same weights)"),
+    Column("repeats", "int64", "", "Timed transfers behind the medians"),
+    Column("status", "string", "", "ok, unsupported or error"),
+    Column("error", "string", "", "Why the row is not ok; null when it is"),
+    Column("started_at", "string", "", "Start of the run, ISO-8601 UTC"),
+)
+
+
+def arrow_schema(columns: tuple[Column, ...]) -> pa.Schema:
+    return pa.schema(_arrow_fields(columns))
+
+
+def write_table(frame: pd.DataFrame, columns: tuple[Column, ...], directory: str | Path, *, prefix: str) -> Path:
+    """`frame` to `directory/<prefix><local time>.parquet`, atomically, cast to its contract.
+
+    An unknown column is rejected; a missing one is written as nulls; NaN becomes null."""
+    from harness.store.disk import write_parquet  # disk imports the row schema; keep this module light
+
+    known = [c.name for c in columns]
+    for name in frame.columns:
+        if name not in known:
+            raise ValueError(f"unknown column {name!r} for a {prefix.rstrip('-')} table; allowed: {', '.join(known)}")
+    schema = arrow_schema(columns)
+    arrays = []
+    for field in schema:
+        values = frame[field.name] if field.name in frame.columns else [None] * len(frame)
+        try:
+            arrays.append(pa.array(list(values), type=field.type, from_pandas=True))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError) as exc:
+            raise ValueError(f"column {field.name!r} ({field.type}) cannot hold its values: {exc}") from None
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    path = Path(directory) / f"{prefix}{stamp}.parquet"
+    write_parquet(table=pa.Table.from_arrays(arrays, schema=schema), path=path)
+    return path
+
+
+def read_tables(directory: str | Path, *, prefix: str, columns: tuple[Column, ...]) -> pd.DataFrame:
+    """Every `<prefix>*.parquet` under `directory` (recursively: results/reference/<run>/tiers/ too), concatenated;
+    an empty frame with the contract's columns when there is none. Files that are not tables of this kind (a
+    missing column) are skipped."""
+    import pyarrow.parquet as pq
+
+    frames = []
+    for path in sorted(Path(directory).rglob(f"{prefix}*.parquet")):
+        if path.name.startswith("."):
+            continue
+        table = pq.read_table(path)
+        if not {"run_id", "source"} <= set(table.column_names):
+            continue
+        frames.append(table.to_pandas())
+    if not frames:
+        return pd.DataFrame({c.name: pd.Series(dtype=object) for c in columns})
+    return pd.concat(frames, ignore_index=True)
