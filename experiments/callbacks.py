@@ -130,6 +130,20 @@ class SweepProgress(Callback):
         if not knees.empty:  # a batch sweep: where TPOT started rising, beside the predicted critical batch
             print(f"\nObserved knee (TPOT > {crossover.KNEE_RISE:.2f} x batch 1) beside the predicted B*:")
             print(knees.to_string(index=False))
+        self.print_reuse_crossover(config, table)
+
+    @staticmethod
+    def print_reuse_crossover(config: DictConfig, table: pd.DataFrame) -> None:
+        """A prefix sweep with a disk tier: the context above which loading the prefix beats recomputing it."""
+        if "ttft_disk_ms" not in table.columns or table["ttft_disk_ms"].isna().all():
+            return
+        from harness import ceilings, reuse  # torch: only a sweep that has such rows pays for it
+
+        first = table.dropna(subset=["ttft_disk_ms"]).iloc[0]
+        directory = config.get("ceilings_dir") or config.results_dir
+        stored = ceilings.read_stored(ceilings.ceilings_path(first["device"], directory))
+        print("\nLoading the prefix from disk beats recomputing it above (measured: TTFTs; analytic: ceilings):")
+        print(reuse.crossover_table(table, ceilings=stored).to_string(index=False))
 
 
 class ServeSweepSummary(Callback):

@@ -29,7 +29,16 @@ __all__ = [
     "strategy_names",
 ]
 
-_NOT_STRATEGIES = {"base", "host", "quant", "triton_kernels", "triton_paged", "varlen"}  # shared code, not strategies
+_NOT_STRATEGIES = {
+    "base",
+    "block_file",
+    "host",
+    "quant",
+    "tiers",
+    "triton_kernels",
+    "triton_paged",
+    "varlen",
+}  # shared code, not strategies
 _REGISTERED: dict[str, ModuleType] = {}  # name -> a strategy module from outside the package (register)
 
 

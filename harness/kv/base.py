@@ -53,6 +53,9 @@ class CacheSpec:
     # 0: K and V are stored apart.
     latent_v_dim: int = 0
     softmax_scale: float | None = None  # the factor on q·k in attend; None: 1 / sqrt(q's head width), SDPA's
+    # Which weights computed these K/V (harness.run.bench.model_id: preset, checkpoint or seed, compute dtype): a
+    # store that outlives the process (harness.kv.tiers' disk tier) files its blocks under it. "": unknown.
+    model_id: str = ""
 
     @classmethod
     def for_model(cls, args, *, batch_size: int, max_tokens: int, kv_dtype: str, device: torch.device, **quant):

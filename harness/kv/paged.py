@@ -425,8 +425,12 @@ class PagedCache:
         """Store `parts` (read_blocks' shapes, on any device) into `blocks` of this pool."""
         index = torch.tensor(blocks, dtype=torch.long, device=self.spec.device)
         for name, pool in self.rows.items():
-            if pool is not None:
-                pool.index_copy_(1, index, parts[name].to(pool.device, non_blocking=True))
+            if pool is None:
+                continue
+            part = parts[name].to(pool.device, non_blocking=True)
+            if pool.element_size() == 1:  # as bytes: the CPU's index_copy_ has no float8 kernel
+                pool, part = pool.view(torch.uint8), part.view(torch.uint8)
+            pool.index_copy_(1, index, part)
 
     def release(self) -> None:
         """The batch completed: every block goes back to the pool."""

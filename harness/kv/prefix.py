@@ -30,15 +30,16 @@ import hashlib
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 import torch
 
-from harness.errors import ConfigError, Unsupported
-from harness.kv import varlen
+from harness.errors import ConfigError, KVPoolExhausted, Unsupported
+from harness.kv import paged, tiers, varlen
 from harness.kv.base import CacheSpec, Layout, blocks_for
-from harness.kv.paged import Options, PagedCache, PagedLayout
+from harness.kv.paged import PagedCache, PagedLayout
 
 
 def block_hashes(token_ids: np.ndarray, block_size: int) -> tuple[bytes, ...]:
@@ -51,6 +52,40 @@ def block_hashes(token_ids: np.ndarray, block_size: int) -> tuple[bytes, ...]:
         parent = hashlib.sha256(parent + token_ids[start : start + block_size].tobytes()).digest()
         hashes.append(parent)
     return tuple(hashes)
+
+
+@dataclass(frozen=True)
+class Options(paged.Options):
+    """Paged's options, and the tiers below device memory where the prefix's blocks also go (harness.kv.tiers;
+    LMCache's local_cpu / local_disk settings). Without either, the prefix lives in device memory alone."""
+
+    host_gb: float = 0.0  # host tier capacity, GB = 1e9 bytes (LMCache's max_local_cpu_size); 0: no host tier
+    disk_dir: str | None = None  # the disk tier's directory (LMCache's local_disk); it outlives the run. null: none
+    disk_gb: float = 16.0  # the disk tier's capacity, GB; least recently used files beyond it are deleted
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.host_gb >= 0:
+            raise ValueError(f"cache.host_gb: must be 0 (no host tier) or a positive size in GB, got {self.host_gb}")
+        if not self.disk_gb > 0:
+            raise ValueError(f"cache.disk_gb: must be a positive size in GB, got {self.disk_gb}")
+        if self.disk_dir is not None and not str(self.disk_dir).strip():
+            raise ValueError("cache.disk_dir: must be a directory path, or null for no disk tier")
+
+
+def block_identity(spec: CacheSpec, cache: PagedCache) -> dict:
+    """What a stored block must match to be used: the weights that computed it, its format, every part's shape."""
+    return {
+        "model_id": spec.model_id,
+        "kv_dtype": spec.kv_dtype,
+        "kv_group_size": spec.kv_group_size,
+        "block_size": cache.block_size,
+        "parts": {
+            name: [str(pool.dtype).removeprefix("torch."), [pool.shape[0], 1, *pool.shape[2:]]]
+            for name, pool in cache.rows.items()
+            if pool is not None
+        },
+    }
 
 
 def shared_unit(*, block_size: int, kv_dtype: str, kv_group_size: int) -> int:
@@ -84,11 +119,28 @@ class PrefixCache(PagedCache):
             n_blocks = spec.batch_size * per_sequence - (spec.batch_size - 1) * n_prefix_blocks
             options = dataclasses.replace(options, pool_tokens=n_blocks * options.block_size)
         super().__init__(spec, options)
+        self.store = self._store(spec, options)  # the tiers below device memory, or None
+        self.prefix_sources: list[str] = []  # per prefill: where its prefix came from (device, host, disk, computed)
         self.refs: dict[int, int] = {}  # shared block id -> references: the tables holding it, plus the cache's own
         self.prefix_blocks: list[int] = []  # the cached prefix's blocks, in order; the cache's references
         self.prefix_key: tuple[bytes, ...] = ()  # block_hashes of the cached prefix
         self.prefix_hit = False  # whether the last prefill found its prefix cached
         self.n_shared_tokens = 0  # leading tokens of the live batch stored in shared blocks
+
+    def _store(self, spec: CacheSpec, options: Options) -> tiers.TieredStore | None:
+        if options.host_gb == 0 and options.disk_dir is None:
+            return None
+        if options.disk_dir is not None and not spec.model_id:
+            raise Unsupported(
+                "prefix: a disk tier needs the model's identity (CacheSpec.model_id) to file blocks under"
+            )
+        return tiers.TieredStore(
+            identity=block_identity(spec, self),
+            device=spec.device,
+            host_bytes=int(options.host_gb * tiers.GB),
+            disk_dir=options.disk_dir,
+            disk_bytes=int(options.disk_gb * tiers.GB),
+        )
 
     def prefill_prefix(
         self, model: torch.nn.Module, prompt: torch.Tensor, *, prompt_ids: list[list[int]] | None = None
@@ -114,9 +166,11 @@ class PrefixCache(PagedCache):
             )
         key = block_hashes(ids[0], self.block_size)
         self.prefix_hit = key == self.prefix_key
-        if not self.prefix_hit:
+        if self.prefix_hit:
+            self.prefix_sources.append("device")
+        else:
             self.forget_prefix()  # one prefix at a time: the old one makes room for the new
-            self._compute_prefix(model, prompt[:1, :n_tokens])
+            self._fill_prefix(model, prompt[:1, :n_tokens], key)
             self.prefix_key = key
         for blocks in self.tables:  # every table points at the same physical blocks: no copy
             blocks.extend(self.prefix_blocks)
@@ -126,12 +180,37 @@ class PrefixCache(PagedCache):
         self.n_tokens = self.n_shared_tokens = n_tokens
         return n_tokens
 
-    def _compute_prefix(self, model: torch.nn.Module, prefix: torch.Tensor) -> None:
-        """prefix [1, n]: one forward pass as a lone sequence; the blocks it fills become the shared ones."""
+    def _fill_prefix(self, model: torch.nn.Module, prefix: torch.Tensor, key: tuple[bytes, ...]) -> None:
+        """prefix [1, n]: its leading blocks from the tiers where they are stored, the rest computed by one forward
+        pass as a lone sequence (then written through to the tiers); the blocks become the shared ones."""
+        n_tokens = prefix.shape[1]
         with self._single_sequence() as blocks:
-            model(prefix, start_pos=0, cache=self, last_only=True)  # the logits are not needed, only the K/V
+            loaded, source = self._load_blocks(blocks, list(key))
+            if loaded < n_tokens:  # the logits are not needed, only the K/V
+                model(prefix[:, loaded:], start_pos=loaded, cache=self, last_only=True)
         self.prefix_blocks = blocks
         self.refs = {block: 1 for block in blocks}  # the cache's own reference
+        missing = self.store.missing(list(key)) if self.store is not None else []
+        if missing:  # write-through: what a tier lacks, computed now or evicted from it before
+            self.store.save([key[i] for i in missing], self.read_blocks([blocks[i] for i in missing]))
+        self.prefix_sources.append(source if loaded == n_tokens else f"{source}+computed" if loaded else "computed")
+
+    def _load_blocks(self, blocks: list[int], keys: list[bytes]) -> tuple[int, str | None]:
+        """Into the lone sequence's `blocks`: the longest leading run of `keys` the tiers hold. Returns the tokens
+        loaded and the slowest tier they came from."""
+        if self.store is None:
+            return 0, None
+        parts, n_blocks, source = self.store.load(keys)
+        if not n_blocks:
+            return 0, None
+        if len(self.free_blocks) < n_blocks:
+            raise KVPoolExhausted(f"prefix: {n_blocks} stored blocks do not fit the {self.n_blocks}-block pool")
+        ids = [self.free_blocks.pop() for _ in range(n_blocks)]
+        blocks.extend(ids)
+        self.write_blocks(ids, parts)
+        self._sync_table(n_blocks)
+        self.n_tokens = n_blocks * self.block_size
+        return self.n_tokens, source
 
     @contextmanager
     def _single_sequence(self) -> Iterator[list[int]]:
@@ -185,6 +264,11 @@ class PrefixCache(PagedCache):
     def blocks_in_use(self) -> int:
         """Physical blocks held, a shared one counted once."""
         return len({block for blocks in self.tables for block in blocks} | set(self.prefix_blocks))
+
+    def prefix_bytes(self) -> int:
+        """Bytes of the cached prefix's blocks, every part (data and scales) of every layer."""
+        per_block = sum(pool[:, 0].numel() * pool.element_size() for pool in self.rows.values() if pool is not None)
+        return len(self.prefix_blocks) * per_block
 
     def kv_bytes_shared(self) -> int:
         """KV bytes the live batch saves by sharing: every sequence but one would otherwise hold the prefix."""

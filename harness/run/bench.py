@@ -13,13 +13,14 @@ from pathlib import Path
 
 import torch
 
-from harness import accuracy, ceilings, fragmentation, kv, profile, roofline_row
+from harness import accuracy, ceilings, fragmentation, kv, profile, reuse, roofline_row
 from harness.config import DTYPES, RunConfig
 from harness.decode import check_compilable, compile_decode_step, cudagraph_skips, generate
 from harness.environment import environment_columns
 from harness.errors import Unsupported
 from harness.formats import EXACT_REFERENCE
 from harness.host_noise import HostNoiseWindow
+from harness.kv import tiers
 from harness.kv.base import CacheSpec
 from harness.model import build_model, weights_bytes
 from harness.probes import MemoryProbe
@@ -100,10 +101,8 @@ def run_point(cfg: RunConfig) -> PointResult:
         )
         samples = measurement.samples
         probe.end_timed(n_tokens=len(samples) * cfg.batch_size * cfg.gen_len)
-        hit = cache.prefix_hit  # a prefix cache: the measured prefills found the prefix cached; else None
-        if hit is not None:
-            row["prefix_hit"] = hit
-            row["ttft_miss_ms"] = median_miss_ttft(cache, run_once, n=cfg.min_repeats)
+        if cache.prefix_hit is not None:  # a prefix cache: TTFT by where its prefix comes from
+            row |= prefix_columns(cache, run_once, n=cfg.min_repeats)
 
     row |= summarize(samples, batch_size=cfg.batch_size, prompt_len=cfg.prompt_len)
     row |= convergence_columns(measurement) | host_columns | {"retries": retries}
@@ -117,6 +116,8 @@ def run_point(cfg: RunConfig) -> PointResult:
     row |= probe.validity_columns()
     if cfg.roofline:
         row |= roofline_columns(cfg, args=args, tpot_ms=row["tpot_ms"], ttft_ms=row["ttft_ms"])
+        if row.get("prefix_bytes_stored") is not None:
+            row |= prefix_prediction_columns(cfg, args=args, prefix_bytes=row["prefix_bytes_stored"])
     top_ops = None
     # A separate pass: the timing above stays clean. It profiles eager decode steps, so a compiled point skips it
     # rather than attribute eager kernels to a compiled row.
@@ -192,7 +193,21 @@ def cache_spec(cfg: RunConfig) -> CacheSpec:
         prefix_len=cfg.prefix_len,
         dtype=cfg.dtype,
         attn_impl=cfg.attn_impl,
+        model_id=model_id(cfg),
     )
+
+
+def model_id(cfg: RunConfig) -> str:
+    """16 hex digits naming the weights whose K/V a point computes: the model's shape, its checkpoint (each file's
+    name, size and mtime) or the seed of its random weights, and the compute dtype. A stored block of another
+    model_id is never used (harness.kv.tiers)."""
+    identity = {"args": dataclasses.asdict(cfg.model_args()), "dtype": cfg.dtype}
+    if cfg.weights != "dummy":
+        files = sorted(p for p in Path(cfg.weights).iterdir() if p.is_file())
+        identity["weights"] = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    else:
+        identity["seed"] = cfg.seed
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def roofline_columns(cfg: RunConfig, *, args, tpot_ms: float | None, ttft_ms: float | None = None) -> dict:
@@ -212,6 +227,20 @@ def roofline_columns(cfg: RunConfig, *, args, tpot_ms: float | None, ttft_ms: fl
     ) | {name: peaks.get(name) for name in passed}
 
 
+def prefix_prediction_columns(cfg: RunConfig, *, args, prefix_bytes: int) -> dict:
+    """The analytic load and compute times of the point's stored prefix, from this device's stored ceilings."""
+    stored = ceilings.read_stored(ceilings.ceilings_path(cfg.torch_device(), cfg.ceilings_dir or cfg.results_dir))
+    return reuse.predicted_columns(
+        args,
+        n_tokens=cfg.layout().prefix_tokens(cfg),
+        prefix_bytes=prefix_bytes,
+        dtype=cfg.dtype,
+        kv_dtype=cfg.kv_dtype_name,
+        peaks=ceilings.row_columns(stored, cfg.dtype) if stored else {},
+        disk_read_gbps=reuse.tier_read_gbps(stored) if stored else None,
+    )
+
+
 def make_prompts(cfg: RunConfig, *, vocab_size: int) -> torch.Tensor:
     """[B, prompt_len] seeded random ids; the first prefix_len of them shared by every sequence (a system prompt)."""
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -220,13 +249,39 @@ def make_prompts(cfg: RunConfig, *, vocab_size: int) -> torch.Tensor:
     return prompts
 
 
-def median_miss_ttft(cache, run_once, *, n: int) -> float:
-    """TTFT when the prefix is not cached yet: forget it before each of n generations (which then cache it again)."""
-    ttfts = []
-    for _ in range(n):
+def prefix_columns(cache, run_once, *, n: int) -> dict:
+    """A prefix cache's figures beyond its hits (ttft_ms): the TTFT of n generations whose prefix comes from each of
+    its tiers below device memory, then recomputed; each a median. Where the point's first prefill found it.
+
+    Host: the device copy forgotten (a server evicted it), the host tier still holds it. Disk: the host tier emptied
+    too, as in a new process. Recompute: the tiers bypassed, so neither a lookup nor the write-through is timed."""
+    store = cache.store
+
+    def median_ttft(before) -> float:
+        ttfts = []
+        for _ in range(n):
+            before()
+            ttfts.append(run_once().ttft_ms)
+        return statistics.median(ttfts)
+
+    def from_disk() -> None:
         cache.forget_prefix()
-        ttfts.append(run_once().ttft_ms)
-    return statistics.median(ttfts)
+        store.drop_host()
+
+    columns = {"prefix_hit": cache.prefix_hit, "prefix_source": cache.prefix_sources[0]}
+    if store is None:
+        return columns | {"ttft_miss_ms": median_ttft(cache.forget_prefix)}
+    if tiers.HOST in store.tiers:
+        columns["ttft_host_ms"] = median_ttft(cache.forget_prefix)
+    if tiers.DISK in store.tiers:
+        first = len(store.transfers)
+        columns["ttft_disk_ms"] = median_ttft(from_disk)
+        reads = [t for t in store.transfers[first:] if t.direction == "read"]
+        seconds = sum(t.seconds for t in reads)
+        columns["prefix_disk_read_gbps"] = sum(t.n_bytes for t in reads) / seconds / 1e9 if seconds else None
+    with store.bypassed():
+        columns["ttft_miss_ms"] = median_ttft(cache.forget_prefix)
+    return columns | {"prefix_bytes_stored": cache.prefix_bytes(), "prefix_rejected_blocks": len(store.rejected)}
 
 
 def is_lossy(cfg: RunConfig) -> bool:

@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 
 from harness.store.atomic import atomic_write
 from harness.store.schema import COLUMNS, FRONTIER_COLUMNS, SCHEMA_VERSION, arrow_schema, frontier_arrow_schema
+from harness.store.tables import PD_PREFIX, TIER_PREFIX
 
 ABSENT = {column.name: column.absent for column in COLUMNS}  # what a file without the column had in it
 
@@ -198,8 +199,8 @@ def drop_repeats(table: pa.Table) -> pa.Table:
 
 
 def parquet_files(path: Path) -> list[Path]:
-    """The row files under `path` (or `path` itself): not hidden, not profiler, frontier or fleet tables, not a
-    serving run's tables."""
+    """The row files under `path` (or `path` itself): not hidden, not profiler, frontier, fleet, tier-bandwidth or
+    PD-transfer tables, not a serving run's tables."""
     if path.is_file():
         if path.suffix != ".parquet":
             raise ValueError(f"{path} is not a .parquet file or a directory of them")
@@ -216,6 +217,7 @@ def parquet_files(path: Path) -> list[Path]:
         if file.is_file()
         and not file.name.endswith(OPS_SUFFIX)  # profiler tables: load_ops()
         and not file.name.startswith((FRONTIER_PREFIX, FLEET_PREFIX))  # capacity tables: write_frontier(), fleet
+        and not file.name.startswith((TIER_PREFIX, PD_PREFIX))  # KV movement tables: harness.store.tables
         and not any(part.startswith(".") for part in file.relative_to(path).parts)
         and SERVE_DIR not in file.relative_to(path).parts[:-1]
     )

@@ -43,7 +43,18 @@ WORKLOAD_COLUMNS = (
 )
 # How a row kept its KV: the strategy, the storage format and their options (null where a strategy has none).
 # The strategies' option columns (harness.kv.base.Layout.option_columns), null for a strategy without the option.
-OPTION_COLUMNS = ("block_size", "pool_tokens", "window", "sinks", "policy", "budget", "obs_window")
+OPTION_COLUMNS = (
+    "block_size",
+    "pool_tokens",
+    "window",
+    "sinks",
+    "policy",
+    "budget",
+    "obs_window",
+    "host_gb",
+    "disk_dir",
+    "disk_gb",
+)
 KV_COLUMNS = ("cache", "kv_dtype", *OPTION_COLUMNS, "kv_group_size", "kv_residual")
 # Two rows measure the same thing when every one of these is equal: what `kvbench-results compare` pairs by.
 POINT_KEY_COLUMNS = WORKLOAD_COLUMNS + KV_COLUMNS
@@ -109,6 +120,14 @@ COLUMNS: tuple[Column, ...] = (
         "tokens",
         "Token eviction: most recent tokens always kept (SnapKV's observation window); null unless evict",
     ),
+    Column("host_gb", "float64", "GB", "Prefix tiers: host tier capacity, GB = 1e9 (0: none); null unless prefix"),
+    Column(
+        "disk_dir",
+        "string",
+        "",
+        "Prefix tiers: the disk tier's directory, which outlives the run (null: none); null unless prefix",
+    ),
+    Column("disk_gb", "float64", "GB", "Prefix tiers: disk tier capacity, GB = 1e9; null unless prefix"),
     Column("batch_size", "int64", "", "Sequences decoded together"),
     Column("prompt_len", "int64", "tokens", "Prompt tokens per sequence"),
     Column("gen_len", "int64", "tokens", "Tokens generated per sequence, the first one included"),

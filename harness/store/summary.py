@@ -29,7 +29,16 @@ _SUMMARY_LAYOUT: tuple[tuple[str, str, Callable[[object], str]], ...] = (
     ("top1", "top1_agreement", "{:.3f}".format),
     ("peak MiB", "peak_mem_bytes", lambda value: f"{value / _MIB_BYTES:.1f}"),
 )
-_SUMMARY_TEXT = ("status", "model", "cache", "kv_dtype", "noise", "error")  # left-aligned; numbers stay right-aligned
+# A prefix cache's TTFT by where its prefix came from (harness/kv/tiers.py), shown after `ttft ms` where any row has
+# them: ttft ms is then the hit in device memory.
+_PREFIX_LAYOUT: tuple[tuple[str, str, Callable[[object], str]], ...] = (
+    ("prefix", "prefix_len", "{:.0f}".format),
+    ("found in", "prefix_source", str),
+    ("host ms", "ttft_host_ms", "{:.2f}".format),
+    ("disk ms", "ttft_disk_ms", "{:.2f}".format),
+    ("recompute ms", "ttft_miss_ms", "{:.2f}".format),
+)
+_SUMMARY_TEXT = ("status", "model", "cache", "kv_dtype", "found in", "noise", "error")  # left-aligned; numbers stay right-aligned
 # Treatments shown after `cache` only where the rows differ in them: otherwise two rows of a sweep over attn_impl (or
 # an eviction policy, or MLA's decode path) would print as the same point twice.
 _VARYING = ("attn_impl", "mla_path", "policy", "budget", "obs_window", "window")
@@ -76,6 +85,9 @@ def format_summary(df: pd.DataFrame) -> str:
     layout = list(_SUMMARY_LAYOUT)
     after_cache = [header for header, _, _ in layout].index("cache") + 1
     layout[after_cache:after_cache] = [(column, column, _cell_text) for column in varying]
+    if df["prefix_source"].notna().any():
+        after_ttft = [header for header, _, _ in layout].index("ttft ms") + 1
+        layout[after_ttft:after_ttft] = list(_PREFIX_LAYOUT)
     shown = pd.DataFrame({header: df[column].tolist() for header, column, _ in layout})
     shown["noise"] = [
         noise_mark(converged=converged, host_busy=busy)
@@ -85,7 +97,8 @@ def format_summary(df: pd.DataFrame) -> str:
         "" if status == "ok" else _shorten(error) for status, error in zip(df["status"], df["error"], strict=True)
     ]
     formatters = {header: fmt for header, _, fmt in layout}
-    return text_table(shown, formatters=formatters, left=(*_SUMMARY_TEXT, *varying))
+    left = [name for name in (*_SUMMARY_TEXT, *varying) if name in shown.columns]
+    return text_table(shown, formatters=formatters, left=left)
 
 
 def _cell_text(value: object) -> str:
