@@ -72,14 +72,9 @@ def crossing_note(x: pd.Series, above: pd.Series, below: pd.Series, *, event: st
     return f"no crossover found: {otherwise} up to the longest context measured ({longest})"
 
 
-def _median_by(points: pd.DataFrame, x: str, columns: list[str]) -> pd.DataFrame:
-    """The median of each column per x (repeats of a point: several runs or sweeps), sorted by x."""
-    return points.groupby(x)[columns].median().sort_index()
-
-
 # -------------------------------------------------------------------------------------------------- tier bandwidth
 
-TIER_HOVER = ("block_tokens", "direct_io", "cold_read", "n_blocks", "repeats", "gbps_rse")
+TIER_HOVER = ("block_tokens", "repeats", "gbps_rse", "direct_io", "cold_read")  # per block size, in the hover
 
 
 def tier_run_labels(tiers: pd.DataFrame) -> pd.Series:
@@ -87,24 +82,28 @@ def tier_run_labels(tiers: pd.DataFrame) -> pd.Series:
     return texts(tiers, "device_name") + " " + texts(tiers, "started_at") + " (" + texts(tiers, "run_id") + ")"
 
 
+def _flag(tiers: pd.DataFrame, column: str, value: bool = True) -> pd.Series:
+    """True where `column` holds `value` (a null, or no such column: never)."""
+    if column not in tiers.columns:
+        return pd.Series(False, index=tiers.index)
+    return (tiers[column].notna() & (tiers[column].astype(object) == value)).astype(bool)
+
+
 def tier_line_names(tiers: pd.DataFrame) -> pd.Series:
     """The legend name per row: "<tier> <direction>", a disk row with its I/O ("O_DIRECT" or "page cache"), a
     same-memory host row "(RAM copy)"; prefixed with the run where several are drawn."""
-    name = texts(tiers, "tier") + " " + texts(tiers, "direction")
-    direct = tiers["direct_io"] if "direct_io" in tiers.columns else pd.Series(None, index=tiers.index)
-    is_disk = texts(tiers, "tier") == "disk"
-    name = name.where(~(is_disk & direct.eq(True).fillna(False).astype(bool)), name + " (O_DIRECT)")
-    name = name.where(~(is_disk & direct.eq(False).fillna(False).astype(bool)), name + " (page cache)")
-    same = tiers["same_memory"] if "same_memory" in tiers.columns else pd.Series(None, index=tiers.index)
-    copy = (texts(tiers, "tier") == "host") & same.eq(True).fillna(False).astype(bool)
-    name = name.where(~copy, name + " (RAM copy)")
+    tier = texts(tiers, "tier")
+    name = tier + " " + texts(tiers, "direction")
+    name = name.where(~((tier == "disk") & _flag(tiers, "direct_io")), name + " (O_DIRECT)")
+    name = name.where(~((tier == "disk") & _flag(tiers, "direct_io", False)), name + " (page cache)")
+    name = name.where(~((tier == "host") & _flag(tiers, "same_memory")), name + " (RAM copy)")
     if "run_id" in tiers.columns and tiers["run_id"].nunique() > 1:
         name = tier_run_labels(tiers) + ": " + name
     return name.astype(str)
 
 
 def same_memory(tiers: pd.DataFrame) -> bool:
-    return "same_memory" in tiers.columns and bool(tiers["same_memory"].eq(True).fillna(False).any())
+    return bool(_flag(tiers, "same_memory").any())
 
 
 def tier_bandwidth(tiers: pd.DataFrame) -> go.Figure:
@@ -122,18 +121,13 @@ def tier_bandwidth(tiers: pd.DataFrame) -> go.Figure:
         return message_figure(title=title, x_title=x_title, y_title=y_title, message="no tier rows with a GB/s")
     fig = go.Figure()
     for i, (line, group) in enumerate(points.groupby("line", sort=True)):
-        hover_numbers = [c for c in TIER_HOVER if c in group.columns and c not in ("direct_io", "cold_read")]
-        per_size = group.assign(**{c: numbers(group, c) for c in hover_numbers}).groupby("x")
-        medians = per_size[["y", *hover_numbers]].median().sort_index()
-        flags = per_size[[c for c in ("direct_io", "cold_read") if c in group.columns]].first()
-        flags = flags.reindex(medians.index).reindex(columns=["direct_io", "cold_read"])
-        custom = np.column_stack(
-            [texts(medians, c) for c in ("block_tokens", "repeats", "gbps_rse")] + [texts(flags, c) for c in flags]
-        )
+        medians = group.groupby("x")["y"].median().sort_index()
+        firsts = group.groupby("x").first().reindex(medians.index)  # the hover's per-size details
+        custom = np.column_stack([texts(firsts, column) for column in TIER_HOVER])
         fig.add_trace(
             go.Scatter(
                 x=medians.index,
-                y=medians["y"],
+                y=medians,
                 mode="lines+markers",
                 name=line,
                 line=dict(color=colour(i)),
@@ -173,7 +167,7 @@ def tier_caption(tiers: pd.DataFrame) -> str:
     )
     if same_memory(tiers):
         text += " On this CPU device and host tier are the same RAM: d2h and h2d are memory copies, not a bus."
-    if "direct_io" in tiers.columns and tiers["direct_io"].eq(True).fillna(False).any():
+    if _flag(tiers, "direct_io").any():
         text += " Disk lines marked O_DIRECT bypass the page cache; page-cache reads were cold where cold_read says so."
     return text
 
@@ -228,7 +222,7 @@ def prefix_medians(rows: pd.DataFrame, workload: str | None = None) -> pd.DataFr
     points = _one_workload(prefix_reuse_rows(rows), workload)
     columns = [column for _, column in PREFIX_SOURCES + PREFIX_ANALYTIC]
     frame = pd.DataFrame({c: numbers(points, c) for c in columns}).assign(prefix_len=numbers(points, "prefix_len"))
-    return _median_by(frame, "prefix_len", columns)
+    return frame.groupby("prefix_len")[columns].median().sort_index()  # repeats: several runs or sweeps
 
 
 def prefix_crossovers(medians: pd.DataFrame) -> tuple[float | None, str, str]:
