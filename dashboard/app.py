@@ -19,5 +19,6 @@ st.navigation(
         st.Page("app_pages/profile.py", title="Profile", url_path="profile"),
         st.Page("app_pages/compare.py", title="Compare", url_path="compare"),
         st.Page("app_pages/serving.py", title="Serving", url_path="serving"),
+        st.Page("app_pages/tiers.py", title="KV tiers & transfer", url_path="tiers"),
     ]
 ).run()

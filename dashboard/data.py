@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from harness.store import disk, schema
+from harness.store import disk, schema, tables
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +192,50 @@ def _load_point_ops(stamps: Fingerprint, sweep_id: str | None) -> pd.DataFrame |
         except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
             log.warning("skipped top-ops table %s: %s", path_text, exc)
     return None
+
+
+# ----------------------------------------------------------------------------------- KV tier and PD transfer tables
+
+ORIGIN = "origin"  # results or reference; these tables' own `source` column says measured or extrapolated
+# A table's row is one measurement per these columns and its run: a run copied into the reference folder is one run.
+TIER_KEY = ("run_id", "tier", "direction", "block_bytes", "direct_io")
+PD_KEY = ("run_id", "transport", "kv_dtype", "context", "batch_size")
+
+
+def load_tier_tables(sources: tuple[str, ...]) -> pd.DataFrame:
+    """Every tier-bandwidth table (tiers/bandwidth-<time>.parquet, harness.store.tables.TIER_COLUMNS) under the
+    sources, with an ORIGIN column; empty, with the contract's columns, when there is none."""
+    stamps = _fingerprint(sources, f"{tables.TIER_PREFIX}*.parquet")
+    return _load_kv_tables(stamps, prefix=tables.TIER_PREFIX, key=TIER_KEY)
+
+
+def load_pd_tables(sources: tuple[str, ...]) -> pd.DataFrame:
+    """Every PD-transfer table (pd/transfer-<time>.parquet, harness.store.tables.PD_COLUMNS) under the sources, as
+    load_tier_tables."""
+    stamps = _fingerprint(sources, f"{tables.PD_PREFIX}*.parquet")
+    return _load_kv_tables(stamps, prefix=tables.PD_PREFIX, key=PD_KEY)
+
+
+@st.cache_data(show_spinner=False)
+def _load_kv_tables(stamps: Fingerprint, *, prefix: str, key: tuple[str, ...]) -> pd.DataFrame:
+    """The files of `stamps`, as tables.read_tables reads a folder (a file without run_id and source is not one of
+    these tables), results before reference, a row stored in both kept once."""
+    columns = tables.TIER_COLUMNS if prefix == tables.TIER_PREFIX else tables.PD_COLUMNS
+    reference = REFERENCE_DIR.resolve()
+    frames = []
+    for path_text, _, _ in sorted(stamps, key=lambda stamp: Path(stamp[0]).is_relative_to(reference)):
+        try:
+            frame = pd.read_parquet(path_text)
+        except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+            log.warning("skipped %s table %s: %s", prefix.rstrip("-"), path_text, exc)
+            continue
+        if {"run_id", "source"} <= set(frame.columns):
+            origin = SOURCE_REFERENCE if Path(path_text).is_relative_to(reference) else SOURCE_RESULTS
+            frames.append(frame.assign(**{ORIGIN: origin}))
+    if not frames:
+        return pd.DataFrame({name: pd.Series(dtype=object) for name in [c.name for c in columns] + [ORIGIN]})
+    merged = pd.concat(frames, ignore_index=True)
+    return merged.drop_duplicates(subset=[k for k in key if k in merged.columns], keep="first", ignore_index=True)
 
 
 # ------------------------------------------------------------------------------------------------------ planner

@@ -123,6 +123,13 @@ class Ceilings:
     # Since METHOD_VERSION 3; the defaults let stored version-2 JSON load (and load_or_measure then measures again).
     read_bw_gbps: float | None = None  # streaming read (a float32 sum), bytes read only, GB = 1e9: the decode roof
     tries: dict[str, int] = field(default_factory=dict)  # "copy", "read" -> measurements taken, the tightest kept
+    # The tiers experiment's figures (harness/tier_bandwidth.py), measured on this device at its largest block:
+    # "d2h", "h2d" (device <-> host tier), "disk_write", "disk_read" -> GB/s, GB = 1e9. Stored beside the roofs
+    # without a METHOD_VERSION bump (the roofs are unchanged); the defaults let JSON stored before them load.
+    tier_gbps: dict[str, float] = field(default_factory=dict)
+    tier_block_bytes: int | None = None  # bytes of one block behind tier_gbps
+    tier_disk_dir: str | None = None  # where the disk figures' block files were written
+    tier_direct_io: bool | None = None  # the disk figures bypassed the page cache (O_DIRECT)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -313,10 +320,55 @@ def load_or_measure(
         log.info("ceilings: reusing %s (measured %s)", path, stored.measured_at)
         return stored
     ceilings = measure(device, quick=quick)
+    previous = stored if stored is not None else read_stored(path) if force else None
+    if previous is not None and previous.tier_gbps:  # the same device's tier figures stay valid: keep them
+        ceilings = dataclasses.replace(ceilings, **tier_fields(previous))
     text = ceilings.to_json()
     atomic_write(path, lambda f: f.write(text.encode()))  # a reader sees the old file or the new one
     log.info("ceilings: stored %s", path)
     return ceilings
+
+
+TIER_FIGURES = ("d2h", "h2d", "disk_write", "disk_read")  # the keys of Ceilings.tier_gbps
+
+
+def tier_fields(ceilings: Ceilings) -> dict:
+    return {
+        name: getattr(ceilings, name) for name in ("tier_gbps", "tier_block_bytes", "tier_disk_dir", "tier_direct_io")
+    }
+
+
+def store_tier_figures(
+    path: str | Path,
+    ceilings: Ceilings,
+    *,
+    gbps: dict[str, float],
+    block_bytes: int,
+    disk_dir: str | Path,
+    direct_io: bool,
+) -> Ceilings:
+    """`ceilings` with the tiers experiment's figures, rewritten atomically to `path`; every other field is kept."""
+    unknown = sorted(set(gbps) - set(TIER_FIGURES))
+    if unknown:
+        raise ValueError(f"tier_gbps: unknown figure {unknown[0]!r}; allowed: {', '.join(TIER_FIGURES)}")
+    updated = dataclasses.replace(
+        ceilings,
+        tier_gbps={name: float(value) for name, value in gbps.items()},
+        tier_block_bytes=int(block_bytes),
+        tier_disk_dir=str(disk_dir),
+        tier_direct_io=bool(direct_io),
+    )
+    text = updated.to_json()
+    atomic_write(path, lambda f: f.write(text.encode()))
+    return updated
+
+
+def tier_gbps(ceilings: Ceilings, name: str) -> float | None:
+    """A stored tier figure in GB/s ("d2h", "h2d", "disk_write", "disk_read"), or None when not measured."""
+    if name not in TIER_FIGURES:
+        raise ValueError(f"tier: unknown figure {name!r}; allowed: {', '.join(TIER_FIGURES)}")
+    value = ceilings.tier_gbps.get(name)
+    return float(value) if value is not None and math.isfinite(value) and value > 0 else None
 
 
 def bandwidth_roof(ceilings: Ceilings) -> tuple[float, str]:
@@ -366,6 +418,13 @@ def format_table(ceilings: Ceilings, spec: pd.DataFrame | None = None) -> str:
         line(f"matmul {name} TFLOP/s", tflops, name, spec_value(name)) for name, tflops in ceilings.peak_tflops.items()
     ]
     lines += [line(f"matmul {name} TFLOP/s", "skipped", note=reason) for name, reason in ceilings.skipped.items()]
+    if ceilings.tier_gbps:  # the tiers experiment's figures (python -m experiments.tiers), when stored
+        direct = "O_DIRECT" if ceilings.tier_direct_io else "buffered, pages dropped"
+        where = {"d2h": "device -> host tier", "h2d": "host tier -> device"}
+        for name, value in ceilings.tier_gbps.items():
+            detail = where.get(name, f"{direct}, {ceilings.tier_disk_dir}")
+            note = f"measured: {ceilings.tier_block_bytes} B blocks, {detail}"
+            lines.append(line(f"tier {name} GB/s", value, note=note))
     table = text_table(
         pd.DataFrame(lines, columns=["ceiling", "measured", "spec", "ratio", "note"]),
         formatters={

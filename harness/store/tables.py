@@ -31,6 +31,8 @@ TIER_COLUMNS: tuple[Column, ...] = (
     Column("run_id", "string", "", "One run of the tiers experiment: every row it wrote shares it"),
     Column("device", "string", "", "cpu or cuda: where the device tier lives"),
     Column("device_name", "string", "", "The CUDA device's or the CPU's name"),
+    Column("model", "string", "", "Model preset whose paged-cache blocks were moved (shapes only, no weights)"),
+    Column("kv_dtype", "string", "", "Storage format of the blocks (a quantized one carries its scales)"),
     Column("tier", "string", "", "host or disk: the tier a block moves to or from (the other end is the device)"),
     Column(
         "direction",
