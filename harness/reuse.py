@@ -17,19 +17,13 @@ import math
 
 import pandas as pd
 
+from harness import ceilings as ceilings_module
 from harness.model_args import ModelArgs
 from harness.roofline import prefill_cost
 
 # The rows of one workload: the crossover is searched along the prefix length with everything else fixed.
 WORKLOAD = ("model", "weights", "device", "dtype", "kv_dtype", "batch_size", "gen_len", "block_size", "disk_dir")
 MAX_CONTEXT = 2**22  # tokens: the analytic search stops here (beyond every model's context)
-
-
-def tier_read_gbps(ceilings, tier: str = "disk_read") -> float | None:
-    """The stored tier figure (GB/s) of these ceilings, or None when the tiers experiment has not run here."""
-    figures = getattr(ceilings, "tier_gbps", None) or {}
-    value = figures.get(tier)
-    return float(value) if value else None
 
 
 def predicted_compute_ms(args: ModelArgs, *, n_tokens: int, dtype: str, kv_dtype: str, peak_tflops: float) -> float:
@@ -138,7 +132,7 @@ def crossover_table(table: pd.DataFrame, *, ceilings=None) -> pd.DataFrame:
 
 
 def _analytic_for(first: pd.Series, group: pd.DataFrame, ceilings) -> int | str:
-    disk = tier_read_gbps(ceilings) if ceilings is not None else None
+    disk = ceilings_module.tier_gbps(ceilings, "disk_read") if ceilings is not None else None
     if disk is None:
         return "no stored disk GB/s (python -m experiments.tiers)"
     peak_tflops = first.get("peak_tflops")

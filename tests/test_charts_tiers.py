@@ -36,6 +36,8 @@ def tier_row(**overrides) -> dict:
         run_id="tiers-1",
         device="cpu",
         device_name="AMD EPYC",
+        model="small",
+        kv_dtype="fp32",
         tier="host",
         direction="d2h",
         block_tokens=BLOCK_TOKENS,

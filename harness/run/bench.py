@@ -237,7 +237,7 @@ def prefix_prediction_columns(cfg: RunConfig, *, args, prefix_bytes: int) -> dic
         dtype=cfg.dtype,
         kv_dtype=cfg.kv_dtype_name,
         peaks=ceilings.row_columns(stored, cfg.dtype) if stored else {},
-        disk_read_gbps=reuse.tier_read_gbps(stored) if stored else None,
+        disk_read_gbps=ceilings.tier_gbps(stored, "disk_read") if stored else None,
     )
 
 
