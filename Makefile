@@ -26,7 +26,7 @@ PARTITION ?=
 SLURM_ARGS ?=
 SLURM_RESULTS ?= results/slurm-check
 
-.PHONY: help setup run test test-cuda-trace lint docs ceilings dashboard screenshot bench-dashboard bench bench-sweep \
+.PHONY: help setup run test test-cuda-trace lint docs ceilings tiers prefix-reuse pd dashboard screenshot bench-dashboard bench bench-sweep \
 	serve-quick serve-qps bench-serve \
 	clean-results gpu-wheels slurm-check slurm-up slurm-down
 
@@ -90,6 +90,15 @@ docs: setup ## Regenerate the README's column table from harness/store/schema.py
 
 ceilings: setup ## Measure (once per device) the bandwidth and matmul peaks the roofline columns use
 	$(BIN)/python -m experiments.ceilings
+
+tiers: setup ## GB/s of KV blocks between device, host and disk tiers per block size; stored with the ceilings
+	$(BIN)/python -m experiments.tiers $(ARGS)
+
+prefix-reuse: setup ## A system prompt's KV from device, host tier, disk and recomputed: TTFT each (run it twice)
+	$(BIN)/python -m experiments.decode experiment=prefix-reuse $(ARGS)
+
+pd: setup ## Prefill in one process, decode in another: KV transfer over shm, TCP and gloo against context
+	$(BIN)/python -m experiments.pd $(ARGS)
 
 dashboard: setup ## The Streamlit dashboard over results/ and results/reference/ (http://127.0.0.1:8501)
 	$(BIN)/python -m streamlit run dashboard/app.py --server.address=$(ADDRESS) --server.port=$(PORT) \

@@ -314,6 +314,8 @@ class RunConfig(Workload):
             ):
                 measured.pop(f.name)
         measured.update(device=self.torch_device().type, kv_dtype=self.kv_dtype_name)
+        later = kv.later_option_defaults(self.cache["name"])  # a strategy option added after rows were recorded
+        measured["cache"] = {k: v for k, v in self.cache.items() if not (k in later and v == later[k])}
         blob = json.dumps(measured, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -22,6 +22,7 @@ __all__ = [
     "KVCache",
     "Layout",
     "build",
+    "later_option_defaults",
     "layout",
     "option_names",
     "parse_options",
@@ -87,6 +88,19 @@ def parse_options(name: str, options: dict[str, Any]) -> Any:
 def option_names(name: str) -> tuple[str, ...]:
     """The strategy's option fields: the row columns (and conf/cache keys) that configure it."""
     return tuple(f.name for f in dataclasses.fields(_module(name).Options))
+
+
+LATER_DEFAULT = "later_default"  # an Options field's metadata key: harness.config's, for strategy options
+
+
+def later_option_defaults(name: str) -> dict[str, Any]:
+    """Options added to the strategy after rows were recorded, with the default those rows ran at: at that value an
+    option stays out of point_id, so the rows recorded before it keep theirs (harness.config.RunConfig.point_id)."""
+    return {
+        f.name: f.metadata[LATER_DEFAULT]
+        for f in dataclasses.fields(_module(name).Options)
+        if LATER_DEFAULT in f.metadata
+    }
 
 
 def build(name: str, spec: CacheSpec, options: dict[str, Any]) -> KVCache:

@@ -30,14 +30,14 @@ import hashlib
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
 import torch
 
 from harness.errors import ConfigError, KVPoolExhausted, Unsupported
-from harness.kv import paged, tiers, varlen
+from harness.kv import LATER_DEFAULT, paged, tiers, varlen
 from harness.kv.base import CacheSpec, Layout, blocks_for
 from harness.kv.paged import PagedCache, PagedLayout
 
@@ -59,9 +59,13 @@ class Options(paged.Options):
     """Paged's options, and the tiers below device memory where the prefix's blocks also go (harness.kv.tiers;
     LMCache's local_cpu / local_disk settings). Without either, the prefix lives in device memory alone."""
 
-    host_gb: float = 0.0  # host tier capacity, GB = 1e9 bytes (LMCache's max_local_cpu_size); 0: no host tier
-    disk_dir: str | None = None  # the disk tier's directory (LMCache's local_disk); it outlives the run. null: none
-    disk_gb: float = 16.0  # the disk tier's capacity, GB; least recently used files beyond it are deleted
+    # Added with the tiers (issue #18): at these defaults they stay out of point_id (kv.LATER_DEFAULT).
+    # host_gb: the host tier, GB = 1e9 bytes (LMCache's max_local_cpu_size); 0: no host tier.
+    # disk_dir: the disk tier's directory (LMCache's local_disk), which outlives the run; null: none.
+    # disk_gb: the disk tier's capacity, GB; the least recently used files beyond it are deleted.
+    host_gb: float = field(default=0.0, metadata={LATER_DEFAULT: 0.0})
+    disk_dir: str | None = field(default=None, metadata={LATER_DEFAULT: None})
+    disk_gb: float = field(default=16.0, metadata={LATER_DEFAULT: 16.0})
 
     def __post_init__(self) -> None:
         super().__post_init__()
