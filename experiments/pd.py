@@ -200,7 +200,10 @@ def outlasts_step(rows: pd.DataFrame) -> list[str]:
             continue
         contexts = group["context"].to_numpy(dtype=float)
         transfer_slope, transfer_at_0 = np.polyfit(contexts, group["transfer_ms"].to_numpy(dtype=float), 1)
-        step_slope, step_at_0 = np.polyfit(contexts, group["tpot_ms"].to_numpy(dtype=float), 1)
+        steps_ms = group["tpot_ms"].to_numpy(dtype=float)
+        step_slope, step_at_0 = np.polyfit(contexts, steps_ms, 1)
+        if step_slope < 0:  # noise: a step reads the whole context, it never gets cheaper with it; hold it flat
+            step_slope, step_at_0 = 0.0, float(np.median(steps_ms))
         label = "extrapolated link" if group["source"].iloc[0] != tables.MEASURED else "measured transport"
         lo, hi = int(contexts.min()), int(contexts.max())
         if transfer_slope <= step_slope:

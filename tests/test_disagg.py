@@ -183,3 +183,14 @@ def test_a_bad_config_exits_with_one_line_naming_the_field(override, field):
     assert proc.returncode == 2, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert f"{field}:" in line and "allowed" in line
+
+
+def test_a_step_time_that_falls_with_the_context_is_noise_and_held_flat():
+    # TPOT 2.2 then 1.8 ms: fitted, it would fall below zero and cross early; held at its median 2 ms, the
+    # transfer (0.001 ms per token) crosses it at 2,000 tokens.
+    rows = pd.DataFrame({
+        "transport": "link", "kv_dtype": "fp32", "status": "ok", "source": "extrapolated: x",
+        "context": [100, 200], "transfer_ms": [0.1, 0.2], "tpot_ms": [2.2, 1.8],
+    })  # fmt: skip
+    (line,) = pd_app.outlasts_step(rows)
+    assert "at context 2,000" in line and "extrapolated beyond" in line
