@@ -29,3 +29,12 @@ def spec_for(name: str) -> pd.DataFrame | None:
         if re.search(device_row.name_pattern, name, flags=re.IGNORECASE):
             return peaks[peaks["device_name"] == device_row.device_name].reset_index(drop=True)
     return None
+
+
+SPEC_LINKS_CSV = Path(__file__).with_name("spec_links.csv")
+
+
+def spec_links() -> pd.DataFrame:
+    """Datasheet links (PCIe 5.0 x16, NVLink 4, 400 Gb/s RDMA): GB/s per direction, each with its source
+    (harness/spec_links.csv), for the PD transfer's extrapolated rows."""
+    return pd.read_csv(SPEC_LINKS_CSV, comment="#", skipinitialspace=True)

@@ -26,7 +26,7 @@ import torch
 from harness.errors import Unsupported
 from harness.kv import varlen
 from harness.kv.base import CacheSpec, Layout, attention, blocks_for, grouped_attention
-from harness.kv.quant import FP8, TokenFormat, storage_format
+from harness.kv.quant import FP8, Int4Kivi, TokenFormat, storage_format
 
 
 @dataclass(frozen=True)
@@ -233,6 +233,34 @@ class ContiguousCache:
 
     def get_rows(self, layer: int, name: str, n: int) -> torch.Tensor:
         return self.rows[name][layer][:, :, :n]  # a view
+
+    def export_kv(self, n_tokens: int) -> dict[str, torch.Tensor]:
+        """What the first n_tokens of every sequence hold, as contiguous copies (a prefill instance's KV for a decode
+        instance, harness.disagg): "k" and "v" [L, B, H_kv, n, width] (MLA's latent: no "v"), each scale part's rows
+        covering them [L, B, H_kv, ceil(n / tokens per row), width], and int4's full-precision tail as "tail_k",
+        "tail_v" [L, B, H_kv, capacity, D], whole: a ring addressed by position, so any slot may hold a live token."""
+        if not 0 < n_tokens <= self.n_tokens:
+            raise ValueError(f"export_kv: n_tokens must be in 1..{self.n_tokens} (the tokens written), got {n_tokens}")
+        rows_per_part = {name: blocks_for(n_tokens, part.tokens) for name, part in self.format.parts().items()}
+        parts = {side: buffer[:, :, :, :n_tokens].contiguous() for side, buffer in (("k", self.k), ("v", self.v))}
+        parts |= {name: t[:, :, :, : rows_per_part[name]].contiguous() for name, t in self.scales.items()}
+        parts |= {f"tail_{side}": t.clone() for side, t in getattr(self.format, "tail", {}).items()}
+        return {name: t for name, t in parts.items() if t is not None}
+
+    def import_kv(self, parts: dict[str, torch.Tensor], n_tokens: int) -> None:
+        """Install export_kv(n_tokens)'s parts from a cache of the same spec: the next forward at position n_tokens
+        continues exactly as it would have there. A tail arriving before this cache's first write becomes its tail
+        (Int4Kivi allocates one only when it has none)."""
+        expected = {"k", *(["v"] if self.v is not None else []), *self.scales}
+        expected |= {f"tail_{side}" for side in self.spec.sides} if isinstance(self.format, Int4Kivi) else set()
+        if set(parts) != expected and set(parts) != expected - {"tail_k", "tail_v"}:
+            raise ValueError(f"import_kv: parts {sorted(parts)} do not match this cache's {sorted(expected)}")
+        for name, t in parts.items():
+            if name.startswith("tail_"):
+                self.format.tail[name.removeprefix("tail_")] = t.to(self.spec.device, copy=True)
+            else:
+                self.rows[name][:, :, :, : t.shape[3]] = t
+        self.n_tokens = n_tokens
 
     def release(self) -> None:
         self.n_tokens = 0  # the buffers stay reserved for the next batch, as in gpt-fast
