@@ -4,14 +4,16 @@ As vLLM's disaggregated prefill: the prefill instance computes the prompt's KV a
 decode instance. Also as vLLM, the decode side receives the KV of the first P - 1 prompt tokens and computes the last
 prompt token itself: that forward yields the logits of the first output token (a decode instance must compute at
 least one token to sample one). So here the "first decode step" is the forward of the last prompt token on the decode
-side, and ttft_pd_ms = prefill_ms (all P tokens, in the prefill process) + transfer_ms + first_step_ms.
+side, and ttft_pd_ms = prefill_ms + transfer_ms + first_step_ms. The prefill process computes those P - 1 tokens only
+(vLLM's computes all P and drops the last token's KV): every prompt token is computed once, and the KV sent is a
+state the cache was in, which int4 needs (its quantized groups and tail ring depend on the tokens written).
 
 Both processes are spawned once (harness.run.runner's reasons: no fork of a process holding torch threads) and stay
 warm for the whole sweep, each serving commands over a control pipe; they share a peer pipe for the transports'
 handshakes (harness.transport). Both build the same model from the same preset, seed and dtype, so both hold
 identical weights.
 
-Timing: prefill_ms in the prefill process (perf_counter, device synchronized), first_step_ms and tpot_ms in the
+Timing: prefill_ms in the prefill process (the forward of P - 1 tokens; perf_counter, device synchronized), first_step_ms and tpot_ms in the
 decode process. transfer_ms runs from the sender's first byte (KV exported and the device synchronized, the clock read
 just before the send) to the receiver's KV installed in its cache (device synchronized), both read with
 time.monotonic_ns: CLOCK_MONOTONIC is one clock for every process of a Linux machine, so the difference of two
@@ -113,6 +115,16 @@ class Engine:
             steps_ms.append((time.perf_counter() - start) * 1e3)
         return steps_ms
 
+    def timed_prefill_kv(self, kv_dtype: str, context: int) -> tuple[float, ContiguousCache]:
+        """(ms, the filled cache) of the prefill instance's forward: the KV of the first context - 1 prompt tokens,
+        no logits kept (the decode instance computes the last prompt token, whose logits give the first token)."""
+        cache, prompt = self.cache(kv_dtype, context), self.prompt(context)
+        _sync(self.device)
+        start = time.perf_counter()
+        self.model(prompt[:, : context - 1], start_pos=0, cache=cache, last_only=True)
+        _sync(self.device)
+        return (time.perf_counter() - start) * 1e3, cache
+
     def buffer(self, context: int) -> torch.Tensor:
         tokens = torch.zeros(
             (self.setup.batch_size, context + self.setup.gen_len), dtype=torch.long, device=self.device
@@ -134,11 +146,11 @@ class PrefillRole:
                 self.sender.close()
             self.sender = None
             return {}
-        if command == "prefill":  # one untimed round, then prefill_repeats; the KV of the first P - 1 tokens kept
-            rounds = [self.engine.timed_prefill(kw["kv_dtype"], kw["context"]) for _ in range(1 + kw["repeats"])]
+        if command == "prefill":  # one untimed round, then prefill_repeats: the KV of the first P - 1 tokens
+            rounds = [self.engine.timed_prefill_kv(kw["kv_dtype"], kw["context"]) for _ in range(1 + kw["repeats"])]
             self.parts = rounds[-1][1].export_kv(kw["context"] - 1)
             _sync(self.engine.device)
-            return {"prefill_ms": [ms for ms, _, _ in rounds[1:]], "kv_bytes": transport.payload_bytes(self.parts)}
+            return {"prefill_ms": [ms for ms, _ in rounds[1:]], "kv_bytes": transport.payload_bytes(self.parts)}
         if command == "send":
             before = self.sender.bytes_sent
             if transport._recv_peer(self.peer) != "ready":  # the decoder's cache is allocated and it is listening

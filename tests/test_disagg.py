@@ -96,6 +96,32 @@ def test_exporting_more_tokens_than_written_is_refused(tiny_model):
         cache.export_kv(PROMPT + 1)
 
 
+def test_int4_exports_only_the_state_it_is_in(tiny_model):
+    """The first 16 of 21 written int4 tokens are no state the cache passed through: key group 2 (16..23) is partly
+    in the tail at 21 tokens but was empty at 16, so their tail and scales would be wrong for a decoder at 16."""
+    cache = cache_for("int4", 0)
+    with torch.inference_mode():
+        prefill(tiny_model, cache, torch.zeros((2, PROMPT), dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^export_kv: int4 exports the tokens written, 21, not 16$"):
+        cache.export_kv(16)
+
+
+@torch.inference_mode()
+def test_the_decode_side_continues_from_the_prefill_sides_p_minus_1_tokens_exactly(tiny_model):
+    """PD's split: the prefill side computes P - 1 tokens, the decoder the last; equal to one cache doing both."""
+    prompt = torch.randint(TINY.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(2))
+    for kv_dtype, residual in FORMATS:
+        local, sender, receiver = (cache_for(kv_dtype, residual) for _ in range(3))
+        for cache in (local, sender):
+            tiny_model(prompt[:, : PROMPT - 1], start_pos=0, cache=cache, last_only=True)
+        receiver.import_kv(sender.export_kv(PROMPT - 1), PROMPT - 1)
+        last = [
+            tiny_model(prompt[:, PROMPT - 1 :], start_pos=PROMPT - 1, cache=c, last_only=True)
+            for c in (local, receiver)
+        ]
+        assert torch.equal(last[0], last[1]), kv_dtype
+
+
 def exported_bytes(kv_dtype: str, context: int) -> int:
     """What the prefill side sends at this context: the KV of its first context - 1 tokens."""
     spec = CacheSpec.for_model(
@@ -104,7 +130,7 @@ def exported_bytes(kv_dtype: str, context: int) -> int:
     cache = ContiguousCache(spec, Options())
     model = build_model(TINY, dtype=torch.float32, device=CPU, seed=0, n_positions=context + 3)
     with torch.inference_mode():
-        prefill(model, cache, torch.zeros((1, context), dtype=torch.long))
+        model(torch.zeros((1, context - 1), dtype=torch.long), start_pos=0, cache=cache, last_only=True)
     return transport.payload_bytes(cache.export_kv(context - 1))
 
 

@@ -241,6 +241,10 @@ class ContiguousCache:
         "tail_v" [L, B, H_kv, capacity, D], whole: a ring addressed by position, so any slot may hold a live token."""
         if not 0 < n_tokens <= self.n_tokens:
             raise ValueError(f"export_kv: n_tokens must be in 1..{self.n_tokens} (the tokens written), got {n_tokens}")
+        if isinstance(self.format, Int4Kivi) and n_tokens != self.n_tokens:
+            # Which key groups are quantized, and what the tail ring holds, is the state after all n_tokens written;
+            # the first n_tokens of a longer int4 cache are a state it never passed through.
+            raise ValueError(f"export_kv: int4 exports the tokens written, {self.n_tokens}, not {n_tokens}")
         rows_per_part = {name: blocks_for(n_tokens, part.tokens) for name, part in self.format.parts().items()}
         parts = {side: buffer[:, :, :, :n_tokens].contiguous() for side, buffer in (("k", self.k), ("v", self.v))}
         parts |= {name: t[:, :, :, : rows_per_part[name]].contiguous() for name, t in self.scales.items()}

@@ -79,7 +79,12 @@ PD_COLUMNS: tuple[Column, ...] = (
     Column("device_name", "string", "", "The CUDA device's or the CPU's name"),
     Column("dtype", "string", "", "Compute dtype of weights and activations"),
     Column("kv_dtype", "string", "", "Storage dtype of the KV sent (fp8 halves the bytes of bf16)"),
-    Column("context", "int64", "tokens", "Prompt tokens prefilled, whose KV the decode process receives"),
+    Column(
+        "context",
+        "int64",
+        "tokens",
+        "Prompt tokens P: the prefill process computes the first P - 1, whose KV the decode process receives",
+    ),
     Column("batch_size", "int64", "", "Sequences prefilled and sent together"),
     Column(
         "transport",
@@ -97,7 +102,7 @@ PD_COLUMNS: tuple[Column, ...] = (
     Column("transfer_ms", "float64", "ms", "Median time from the first byte sent to the KV installed in the decoder"),
     Column("transfer_gbps", "float64", "GB/s", "kv_bytes / transfer_ms, GB = 1e9"),
     Column("transfer_samples_ms", "list<float64>", "ms", "Each measured transfer, in order"),
-    Column("prefill_ms", "float64", "ms", "The prefill process's prefill of `context` tokens, median"),
+    Column("prefill_ms", "float64", "ms", "The prefill process's forward of the first context - 1 tokens, median"),
     Column("first_step_ms", "float64", "ms", "The decode process's first step (it yields the first token), median"),
     Column(
         "ttft_pd_ms", "float64", "ms", "prefill_ms + transfer_ms + first_step_ms: time to first token, disaggregated"
