@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from harness.store.atomic import atomic_write
-from harness.store.schema import COLUMNS, FRONTIER_COLUMNS, SCHEMA_VERSION, arrow_schema, frontier_arrow_schema
+from harness.store.schema import COLUMNS, SCHEMA_VERSION, arrow_schema, frontier_arrow_schema
 from harness.store.tables import PD_PREFIX, TIER_PREFIX
 
 ABSENT = {column.name: column.absent for column in COLUMNS}  # what a file without the column had in it
@@ -82,23 +82,27 @@ def write_frontier(table: pd.DataFrame, directory: str | Path) -> Path:
     Columns must be FRONTIER_COLUMNS' (an unknown one is rejected, a missing one is written as nulls), and each is
     cast to its contract's type, so that every frontier file has one schema whatever pandas inferred.
     """
-    known = [c.name for c in FRONTIER_COLUMNS]
-    for name in table.columns:
-        if name not in known:
-            raise ValueError(f"unknown frontier column {name!r}; allowed: {', '.join(known)}")
-    schema = frontier_arrow_schema()
-    arrays = []
-    for field in schema:
-        values = table[field.name] if field.name in table.columns else [None] * len(table)
-        try:
-            # from_pandas: NaN becomes null (a failed search's measured columns), and integral floats become ints.
-            arrays.append(pa.array(values, type=field.type, from_pandas=True))
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError) as exc:
-            raise ValueError(f"frontier column {field.name!r} ({field.type}) cannot hold its values: {exc}") from None
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = Path(directory) / f"{FRONTIER_PREFIX}{stamp}.parquet"
-    write_parquet(table=pa.Table.from_arrays(arrays, schema=schema), path=path)
+    write_parquet(table=cast_to_schema(table, frontier_arrow_schema(), kind="frontier"), path=path)
     return path
+
+
+def cast_to_schema(frame: pd.DataFrame, schema: pa.Schema, *, kind: str) -> pa.Table:
+    """`frame` as an Arrow table of exactly `schema`: an unknown column is rejected, a missing one is nulls, and each
+    is cast to its contract's type, so that every file of one `kind` has one schema whatever pandas inferred."""
+    for name in frame.columns:
+        if name not in schema.names:
+            raise ValueError(f"unknown {kind} column {name!r}; allowed: {', '.join(schema.names)}")
+    arrays = []
+    for field in schema:
+        values = frame[field.name] if field.name in frame.columns else [None] * len(frame)
+        try:
+            # from_pandas: NaN becomes null (a failed search's measured columns), and integral floats become ints.
+            arrays.append(pa.array(list(values), type=field.type, from_pandas=True))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError) as exc:
+            raise ValueError(f"{kind} column {field.name!r} ({field.type}) cannot hold its values: {exc}") from None
+    return pa.Table.from_arrays(arrays, schema=schema)
 
 
 def write_parquet(table: pa.Table, path: Path) -> None:

@@ -38,7 +38,15 @@ _PREFIX_LAYOUT: tuple[tuple[str, str, Callable[[object], str]], ...] = (
     ("disk ms", "ttft_disk_ms", "{:.2f}".format),
     ("recompute ms", "ttft_miss_ms", "{:.2f}".format),
 )
-_SUMMARY_TEXT = ("status", "model", "cache", "kv_dtype", "found in", "noise", "error")  # left-aligned; numbers stay right-aligned
+_SUMMARY_TEXT = (
+    "status",
+    "model",
+    "cache",
+    "kv_dtype",
+    "found in",
+    "noise",
+    "error",
+)  # left-aligned; numbers stay right-aligned
 # Treatments shown after `cache` only where the rows differ in them: otherwise two rows of a sweep over attn_impl (or
 # an eviction policy, or MLA's decode path) would print as the same point twice.
 _VARYING = ("attn_impl", "mla_path", "policy", "budget", "obs_window", "window")

@@ -136,23 +136,11 @@ def write_table(frame: pd.DataFrame, columns: tuple[Column, ...], directory: str
     """`frame` to `directory/<prefix><local time>.parquet`, atomically, cast to its contract.
 
     An unknown column is rejected; a missing one is written as nulls; NaN becomes null."""
-    from harness.store.disk import write_parquet  # disk imports the row schema; keep this module light
+    from harness.store.disk import cast_to_schema, write_parquet  # disk imports this module's PREFIXes
 
-    known = [c.name for c in columns]
-    for name in frame.columns:
-        if name not in known:
-            raise ValueError(f"unknown column {name!r} for a {prefix.rstrip('-')} table; allowed: {', '.join(known)}")
-    schema = arrow_schema(columns)
-    arrays = []
-    for field in schema:
-        values = frame[field.name] if field.name in frame.columns else [None] * len(frame)
-        try:
-            arrays.append(pa.array(list(values), type=field.type, from_pandas=True))
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError) as exc:
-            raise ValueError(f"column {field.name!r} ({field.type}) cannot hold its values: {exc}") from None
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     path = Path(directory) / f"{prefix}{stamp}.parquet"
-    write_parquet(table=pa.Table.from_arrays(arrays, schema=schema), path=path)
+    write_parquet(table=cast_to_schema(frame, arrow_schema(columns), kind=prefix.rstrip("-")), path=path)
     return path
 
 
