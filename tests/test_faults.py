@@ -27,6 +27,9 @@ from tests.test_sweep import ROOT, TINY, broken_checkpoint, kvbench
 pytestmark = pytest.mark.slow
 
 QUICK = [*TINY, "profile=false"]  # these tests are about rows surviving, not about what is in them: no profiler pass
+# ... and where the point's own process is not what a test is about, the point runs in the sweep's (isolate=false):
+# a spawned worker costs seconds of interpreter and torch import per invocation.
+IN_PROCESS = [*QUICK, "isolate=false"]
 
 FAST_POINT = dict(model={"name": "tiny"}, device="cpu", dtype="fp32", prompt_len=8, gen_len=4, warmup=0,
                   min_repeats=1, max_repeats=1, profile=False, roofline=False, accuracy=False)  # fmt: skip
@@ -137,9 +140,9 @@ def test_a_worker_is_not_reused_after_a_capped_point():
 
 
 def test_two_sweeps_writing_into_one_results_dir_at_once_lose_no_row(tmp_path):
-    first = subprocess.Popen(sweep_command(tmp_path, "batch_size=1,2,3"), cwd=ROOT, stdout=subprocess.PIPE,
+    first = subprocess.Popen(sweep_command(tmp_path, "batch_size=1,2,3", base=IN_PROCESS), cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)  # fmt: skip
-    second = subprocess.Popen(sweep_command(tmp_path, "batch_size=4,5,6"), cwd=ROOT, stdout=subprocess.PIPE,
+    second = subprocess.Popen(sweep_command(tmp_path, "batch_size=4,5,6", base=IN_PROCESS), cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)  # fmt: skip
     for proc in (first, second):
         _, stderr = proc.communicate(timeout=600)
@@ -153,14 +156,14 @@ def test_two_sweeps_writing_into_one_results_dir_at_once_lose_no_row(tmp_path):
 
 
 def test_a_full_disk_stops_the_sweep_with_one_line_and_damages_nothing_written(tmp_path):
-    assert kvbench(*QUICK, "batch_size=1,2", f"results_dir={tmp_path}", multirun=True).returncode == 0
+    assert kvbench(*IN_PROCESS, "batch_size=1,2", f"results_dir={tmp_path}", multirun=True).returncode == 0
     before = disk.load(tmp_path)
     files = {path: path.read_bytes() for path in point_files(tmp_path)}
 
     def full_disk() -> None:  # no file may grow past 6 KiB: a row (~30 KiB) cannot be written
         resource.setrlimit(resource.RLIMIT_FSIZE, (6 * 1024, 6 * 1024))
 
-    proc = subprocess.run(sweep_command(tmp_path, "batch_size=3,4"), cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run(sweep_command(tmp_path, "batch_size=3,4", base=IN_PROCESS), cwd=ROOT, capture_output=True, text=True,
                           timeout=600, preexec_fn=full_disk)  # fmt: skip
     assert proc.returncode != 0
     (line,) = [line for line in proc.stderr.splitlines() if line.startswith("kvbench: cannot write results")]
@@ -209,13 +212,13 @@ def test_corrupt_files_are_skipped_by_load_export_and_the_dashboard_with_every_o
 
 
 def test_a_rerun_skips_recorded_points_and_force_measures_them_again(tmp_path):
-    first = kvbench(*QUICK, "batch_size=1,2", f"results_dir={tmp_path}", multirun=True)
+    first = kvbench(*IN_PROCESS, "batch_size=1,2", f"results_dir={tmp_path}", multirun=True)
     assert first.returncode == 0, first.stderr
-    again = kvbench(*QUICK, "batch_size=1,2,3", f"results_dir={tmp_path}", multirun=True)
+    again = kvbench(*IN_PROCESS, "batch_size=1,2,3", f"results_dir={tmp_path}", multirun=True)
     assert again.returncode == 0, again.stderr
     assert "resumed: 2 of them already recorded" in again.stdout and "3 points" in again.stdout
     assert sorted(disk.load(tmp_path)["batch_size"]) == [1, 2, 3]
-    forced = kvbench(*QUICK, "batch_size=1,2", "force=true", f"results_dir={tmp_path}", multirun=True)
+    forced = kvbench(*IN_PROCESS, "batch_size=1,2", "force=true", f"results_dir={tmp_path}", multirun=True)
     assert forced.returncode == 0, forced.stderr
     assert "resumed" not in forced.stdout
     assert sorted(disk.load(tmp_path)["batch_size"]) == [1, 1, 2, 2, 3]
@@ -225,12 +228,12 @@ def test_error_points_are_retried_and_committed_references_never_count(tmp_path)
     checkpoint = broken_checkpoint(tmp_path / "broken")
     out = tmp_path / "results"
     for _ in range(2):
-        assert kvbench(*QUICK, "prompt_len=8", f"weights={checkpoint}", f"results_dir={out}").returncode == 0
+        assert kvbench(*IN_PROCESS, "prompt_len=8", f"weights={checkpoint}", f"results_dir={out}").returncode == 0
     assert list(disk.load(out)["status"]) == ["error", "error"]  # measured twice: an error is retried
     # An ok row under <results_dir>/reference is a committed reference, not this user's run: measured anyway.
-    ok = kvbench(*QUICK, "prompt_len=8", f"results_dir={out / 'reference'}")
+    ok = kvbench(*IN_PROCESS, "prompt_len=8", f"results_dir={out / 'reference'}")
     assert ok.returncode == 0, ok.stderr
-    rerun = kvbench(*QUICK, "prompt_len=8", f"results_dir={out}")
+    rerun = kvbench(*IN_PROCESS, "prompt_len=8", f"results_dir={out}")
     assert "already recorded" not in rerun.stdout
     assert (disk.load(out)["status"] == "ok").sum() == 2
 

@@ -50,6 +50,9 @@ LABEL_FORMATS = {
     "policy": "{} policy",
     "budget": "budget {}",
     "obs_window": "obs window {}",
+    "host_gb": "host tier {} GB",
+    "disk_dir": "disk tier {}",
+    "disk_gb": "disk tier {} GB",
     "kv_group_size": "group {}",
     "kv_residual": "residual {}",
 }

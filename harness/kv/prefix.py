@@ -298,6 +298,13 @@ class PrefixLayout(PagedLayout):
     def shared_blocks(self, w) -> int:
         return self.prefix_tokens(w) // self.options.block_size
 
+    def option_columns(self) -> dict:
+        """A tier the point does not have is a null, not its default size: host_gb 0 and disk_gb without a disk_dir
+        say nothing about the point."""
+        columns = super().option_columns()
+        has_disk = columns["disk_dir"] is not None
+        return columns | {"host_gb": columns["host_gb"] or None, "disk_gb": columns["disk_gb"] if has_disk else None}
+
     def check(self, w) -> None:
         super().check(w)
         if w.kv_dtype_name == "int4" and w.kv_residual > 0 and w.prefix_len > 0:

@@ -120,14 +120,18 @@ COLUMNS: tuple[Column, ...] = (
         "tokens",
         "Token eviction: most recent tokens always kept (SnapKV's observation window); null unless evict",
     ),
-    Column("host_gb", "float64", "GB", "Prefix tiers: host tier capacity, GB = 1e9 (0: none); null unless prefix"),
+    Column(
+        "host_gb", "float64", "GB", "Prefix tiers: host tier capacity, GB = 1e9; null: no host tier (or not prefix)"
+    ),
     Column(
         "disk_dir",
         "string",
         "",
-        "Prefix tiers: the disk tier's directory, which outlives the run (null: none); null unless prefix",
+        "Prefix tiers: the disk tier's directory, which outlives the run; null: no disk tier (or not prefix)",
     ),
-    Column("disk_gb", "float64", "GB", "Prefix tiers: disk tier capacity, GB = 1e9; null unless prefix"),
+    Column(
+        "disk_gb", "float64", "GB", "Prefix tiers: disk tier capacity, GB = 1e9; null: no disk tier (or not prefix)"
+    ),
     Column("batch_size", "int64", "", "Sequences decoded together"),
     Column("prompt_len", "int64", "tokens", "Prompt tokens per sequence"),
     Column("gen_len", "int64", "tokens", "Tokens generated per sequence, the first one included"),
