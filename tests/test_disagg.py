@@ -20,6 +20,7 @@ from harness.model import build_model
 from harness.model_args import ModelArgs
 from harness.spec import spec_links
 from harness.store import tables
+from tests.greedy import LOGIT_TOL, greedy_with_logits, top1_margins
 
 ROOT = Path(__file__).parents[1]
 CPU = torch.device("cpu")
@@ -134,17 +135,31 @@ def exported_bytes(kv_dtype: str, context: int) -> int:
     return transport.payload_bytes(cache.export_kv(context - 1))
 
 
+PD_SETUP = disagg.PdSetup(
+    model="tiny", dtype="fp32", device="cpu", gen_len=3, max_context=64, kv_group_size=8, repeats=1, prefill_repeats=1
+)
+
+
 @pytest.fixture(scope="module")
 def pd_rows():
-    setup = disagg.PdSetup(
-        model="tiny", dtype="fp32", device="cpu", gen_len=3, max_context=64, kv_group_size=8, repeats=1,
-        prefill_repeats=1,
-    )  # fmt: skip
     measured = pd_app.sweep(
-        setup, transports=["shm", "tcp"], kv_dtypes=["fp32", "int8", "int4"], contexts=[32, 64],
+        PD_SETUP, transports=["shm", "tcp"], kv_dtypes=["fp32", "int8", "int4"], contexts=[32, 64],
         info={"run_id": "test", "model": "tiny", "started_at": "now"},
     )  # fmt: skip
     return measured, pd_app.extrapolate(measured, spec_links())
+
+
+# How far the colocated one-pass prefill and PD's P - 1 then 1 may round apart (tests/greedy.py): int4 has no entry
+# there; one 4-bit code is 16 of int8's, so 16x int8's tolerance, rounded up.
+NEAR_TIE = LOGIT_TOL | {"int4": 2e-3}
+
+
+def colocated_has_near_tie(setup: disagg.PdSetup, kv_dtype: str, context: int) -> bool:
+    """Whether the colocated run's greedy choices include a near-tie, where PD's other GEMM shapes may pick the
+    runner-up: its tokens then are not owed to equal PD's from there on."""
+    engine = disagg.Engine(setup)
+    _, logits = greedy_with_logits(engine.model, engine.cache(kv_dtype, context), engine.prompt(context), setup.gen_len)
+    return bool((top1_margins(logits) < NEAR_TIE[kv_dtype]).any())
 
 
 @pytest.mark.slow
@@ -152,7 +167,8 @@ def test_pd_over_two_transports_gives_the_colocated_tokens(pd_rows):
     measured, _ = pd_rows
     assert len(measured) == 2 * 3 * 2
     assert (measured["status"] == "ok").all(), measured[["transport", "kv_dtype", "error"]].to_string()
-    assert measured["outputs_match"].all()
+    for row in measured[~measured["outputs_match"].astype(bool)].itertuples():
+        assert colocated_has_near_tie(PD_SETUP, row.kv_dtype, row.context), (row.transport, row.kv_dtype, row.context)
     assert (measured["source"] == tables.MEASURED).all()
 
 

@@ -18,6 +18,7 @@ from harness.kv.base import CacheSpec
 from harness.kv.prefix import block_hashes
 from harness.run.bench import run_point
 from harness.timing import StepTimer
+from tests.greedy import LOGIT_TOL, assert_same_greedy_tokens, greedy_with_logits
 
 CPU = torch.device("cpu")
 BATCH, PROMPT_LEN, PREFIX_LEN, GEN_LEN, BLOCK = 2, 45, 32, 6, 8
@@ -116,7 +117,15 @@ def test_host_tier_serves_the_prefix_once_the_device_copy_is_forgotten(tiny_mode
 
 def test_a_corrupt_block_file_is_a_miss_with_a_warning_naming_it(tiny_model, tiny_args, tmp_path, caplog):
     prompt = prompt_for(tiny_args)
-    expected = generate_with(tiny_model, tiered(tiny_args, tmp_path), prompt)
+    generate_with(tiny_model, tiered(tiny_args, tmp_path), prompt)  # computes and writes the four blocks
+    # The recomputed blocks come from a forward over the last 16 prefix tokens, not all 32: another GEMM shape, so
+    # the tokens are held to the reference's up to a near-tie (tests/greedy.py), not bit for bit.
+    device_only = kv.build("prefix", spec_for(tiny_args), {"block_size": BLOCK})
+    reference, logits = greedy_with_logits(tiny_model, device_only, prompt, GEN_LEN)
+
+    def same_tokens(tokens: torch.Tensor) -> None:
+        assert_same_greedy_tokens(tokens, reference, logits, tol=LOGIT_TOL["fp32"])
+
     keys = block_hashes(prompt[0, :PREFIX_LEN].numpy(), BLOCK)
     second = tiered(tiny_args, tmp_path)
     bad = second.store.path(keys[2])
@@ -124,12 +133,12 @@ def test_a_corrupt_block_file_is_a_miss_with_a_warning_naming_it(tiny_model, tin
     data[block_file.ALIGN] ^= 0xFF  # the first byte of the first part (the header fills the first ALIGN bytes)
     bad.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="harness.kv.tiers"):
-        assert torch.equal(generate_with(tiny_model, second, prompt), expected)
+        same_tokens(generate_with(tiny_model, second, prompt))
     assert any(str(bad) in record.getMessage() for record in caplog.records)
     assert second.prefix_sources == ["disk+computed"]  # blocks 0 and 1 loaded, 2 and 3 recomputed
     assert len(second.store.rejected) == 1
     third = tiered(tiny_args, tmp_path)  # the refused file was written again, right
-    assert torch.equal(generate_with(tiny_model, third, prompt), expected)
+    same_tokens(generate_with(tiny_model, third, prompt))
     assert third.prefix_sources == ["disk"] and not third.store.rejected
 
 

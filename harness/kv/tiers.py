@@ -118,11 +118,15 @@ class TieredStore:
         every tier that lacks it (the caller asked `missing`)."""
         if not self.enabled or not keys:
             return
+        wrote = False
         for key, block in zip(keys, self._to_host(parts), strict=True):
             if DISK in self.tiers and not self._on_disk(key):
                 self._write_file(key, block)
+                wrote = True
             if HOST in self.tiers:
                 self._host_insert(key, block)
+        if wrote:
+            self._trim_disk()  # once per save: it lists every file of the tier
 
     def missing(self, keys: list[bytes]) -> list[int]:
         """Indices of the keys some tier of this store lacks (none while the store is bypassed)."""
@@ -165,7 +169,6 @@ class TieredStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         stats = block_file.write_block(path, block, identity=self.identity, direct=self.direct_io)
         self.transfers.append(Transfer(DISK, "write", stats.n_bytes, stats.seconds))
-        self._trim_disk()
 
     def _trim_disk(self) -> None:
         """Delete the least recently used files (by mtime, which a read refreshes) beyond disk_bytes."""
