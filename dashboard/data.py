@@ -218,22 +218,22 @@ def load_pd_tables(sources: tuple[str, ...]) -> pd.DataFrame:
 
 @st.cache_data(show_spinner=False)
 def _load_kv_tables(stamps: Fingerprint, *, prefix: str, key: tuple[str, ...]) -> pd.DataFrame:
-    """The files of `stamps`, as tables.read_tables reads a folder (a file without run_id and source is not one of
-    these tables), results before reference, a row stored in both kept once."""
+    """The tables among the files of `stamps` (tables.read_table_file), results before reference, a row stored in
+    both kept once."""
     columns = tables.TIER_COLUMNS if prefix == tables.TIER_PREFIX else tables.PD_COLUMNS
     reference = REFERENCE_DIR.resolve()
     frames = []
     for path_text, _, _ in sorted(stamps, key=lambda stamp: Path(stamp[0]).is_relative_to(reference)):
         try:
-            frame = pd.read_parquet(path_text)
+            frame = tables.read_table_file(path_text)
         except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
             log.warning("skipped %s table %s: %s", prefix.rstrip("-"), path_text, exc)
             continue
-        if {"run_id", "source"} <= set(frame.columns):
+        if frame is not None:
             origin = SOURCE_REFERENCE if Path(path_text).is_relative_to(reference) else SOURCE_RESULTS
             frames.append(frame.assign(**{ORIGIN: origin}))
     if not frames:
-        return pd.DataFrame({name: pd.Series(dtype=object) for name in [c.name for c in columns] + [ORIGIN]})
+        return tables.empty_table(columns).assign(**{ORIGIN: pd.Series(dtype=object)})
     merged = pd.concat(frames, ignore_index=True)
     return merged.drop_duplicates(subset=[k for k in key if k in merged.columns], keep="first", ignore_index=True)
 

@@ -115,20 +115,33 @@ def crossover_table(table: pd.DataFrame, *, ceilings=None) -> pd.DataFrame:
         return pd.DataFrame()
     lines = []
     for _, group in rows.groupby([c for c in WORKLOAD if c in rows.columns], dropna=False):
-        measured, note = measured_crossover(group)
-        first = group.iloc[0]
-        analytic = _analytic_for(first, group, ceilings)
-        lines.append(
-            {
-                "model": first["model"],
-                "kv_dtype": first["kv_dtype"],
-                "batch": int(first["batch_size"]),
-                "contexts": f"{group['prefix_len'].min():.0f}-{group['prefix_len'].max():.0f}",
-                "measured crossover (tokens)": round(measured) if measured is not None else note,
-                "analytic crossover (tokens)": analytic,
-            }
-        )
+        for part in _one_line_each(group):
+            lines.append(_crossover_line(part, ceilings))
     return pd.DataFrame(lines)
+
+
+def _one_line_each(group: pd.DataFrame) -> list[pd.DataFrame]:
+    """A sweep holds the prompt fixed (the prefix grows into it) or the tokens after the prefix (the prompt grows
+    with it): either is one curve. Rows that vary in both are split by the tokens after the prefix."""
+    suffix = group["prompt_len"] - group["prefix_len"]
+    if group["prompt_len"].nunique() > 1 and suffix.nunique() > 1:
+        return [part for _, part in group.groupby(suffix)]
+    return [group]
+
+
+def _crossover_line(group: pd.DataFrame, ceilings) -> dict:
+    """One row of crossover_table: the measured crossover of these rows beside the analytic one."""
+    measured, note = measured_crossover(group)
+    first = group.iloc[0]
+    analytic = _analytic_for(first, group, ceilings)
+    return {
+        "model": first["model"],
+        "kv_dtype": first["kv_dtype"],
+        "batch": int(first["batch_size"]),
+        "contexts": f"{group['prefix_len'].min():.0f}-{group['prefix_len'].max():.0f}",
+        "measured crossover (tokens)": round(measured) if measured is not None else note,
+        "analytic crossover (tokens)": analytic,
+    }
 
 
 def _analytic_for(first: pd.Series, group: pd.DataFrame, ceilings) -> int | str:

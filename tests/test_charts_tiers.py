@@ -134,7 +134,7 @@ def prefix_point(prefix_len: int, *, disk: float, miss: float, **overrides) -> d
         cache="prefix",
         device="cpu",
         prefix_len=prefix_len,
-        prompt_len=prefix_len + SUFFIX,
+        prompt_len=overrides.pop("prompt_len", prefix_len + SUFFIX),
         ttft_ms=5.0,
         ttft_host_ms=8.0,
         ttft_disk_ms=disk,
@@ -205,6 +205,15 @@ def test_ttft_by_prefix_source_draws_one_workload_and_the_selector_names_each():
     assert sorted(set(prefix_workloads(rows))) == ["bf16", "int8"]
     fig = ttft_by_prefix_source(rows, workload="int8")
     assert list(trace(fig, "recompute (ttft_miss_ms)").y) == [10.0, 40.0, 900.0]
+
+
+def test_a_sweep_with_a_fixed_prompt_is_one_workload_and_one_line():
+    # as experiment=prefix-reuse: the prompt stays fixed and the prefix grows into it, so the suffix shrinks
+    rows = frame(*(prefix_point(p, disk=30.0, miss=40.0, prompt_len=4160) for p in PREFIXES))
+    assert set(prefix_workloads(rows)) == {"all rows"}
+    assert list(trace(ttft_by_prefix_source(rows), "disk tier (ttft_disk_ms)").x) == list(PREFIXES)
+    mixed = pd.concat([rows, prefix_sweep()], ignore_index=True)  # prompts and suffixes both vary: told apart
+    assert len(set(prefix_workloads(mixed))) > 1
 
 
 def test_no_prefix_rows_draw_a_message():

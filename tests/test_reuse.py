@@ -31,6 +31,7 @@ def sweep(contexts, disk_ms, miss_ms) -> pd.DataFrame:
             "block_size": [16] * n,
             "disk_dir": ["/kv"] * n,
             "prefix_len": contexts,
+            "prompt_len": [c + 64 for c in contexts],  # a 64-token question after each prefix
             "ttft_disk_ms": disk_ms,
             "ttft_miss_ms": miss_ms,
             "prefix_bytes_stored": [c * BYTES_PER_TOKEN for c in contexts],
@@ -88,6 +89,17 @@ def test_the_crossover_table_puts_measured_and_analytic_side_by_side():
     assert table["analytic crossover (tokens)"].tolist() == [analytic(5.0)]
     without = reuse.crossover_table(rows, ceilings=types.SimpleNamespace(tier_gbps={}))
     assert without["analytic crossover (tokens)"].iloc[0].startswith("no stored disk GB/s")
+
+
+def test_a_fixed_prompt_sweep_is_one_curve_and_rows_varying_in_prompt_and_suffix_are_split():
+    rows = sweep([512, 1024, 2048, 4096], disk_ms=[10.0, 14.0, 22.0, 38.0], miss_ms=[4.0, 10.0, 26.0, 70.0])
+    stored = types.SimpleNamespace(tier_gbps={"disk_read": 5.0})
+    fixed_prompt = rows.assign(prompt_len=4160)  # the prefix grows into one prompt: experiment=prefix-reuse
+    assert reuse.crossover_table(fixed_prompt, ceilings=stored)["measured crossover (tokens)"].tolist() == [1536]
+    fixed_suffix = rows.assign(prompt_len=rows["prefix_len"] + 64)
+    mixed = pd.concat([fixed_prompt, fixed_suffix], ignore_index=True)
+    # one curve per suffix length: 3648, 3136 and 2112 tokens alone, and 64 (the fixed-suffix four, and 4096 + 64)
+    assert len(reuse.crossover_table(mixed, ceilings=stored)) == 4
 
 
 def test_predicted_columns_need_their_ceilings():

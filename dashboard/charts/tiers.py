@@ -200,11 +200,14 @@ def prefix_reuse_rows(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def prefix_workloads(rows: pd.DataFrame) -> pd.Series:
-    """A label per row naming its workload (PREFIX_GROUP, and the tokens after the prefix) where they vary among
-    rows; "all rows" when they are one. Rows with one label are one line of the chart."""
+    """A label per row naming its workload (PREFIX_GROUP where it varies among rows; "all rows" when it does not).
+    Rows with one label are one line of the chart. A sweep holds either the prompt fixed (the prefix grows into it,
+    experiment=prefix-reuse) or the tokens after the prefix (the prompt grows with it): either is one line. Only
+    rows that vary in both are told apart by the tokens after the prefix."""
     label = labels(rows, PREFIX_GROUP)
     suffix = pd.DataFrame({"suffix": numbers(rows, "prompt_len") - numbers(rows, "prefix_len")}, index=rows.index)
-    if suffix["suffix"].nunique(dropna=False) > 1:
+    prompt_varies = numbers(rows, "prompt_len").nunique(dropna=False) > 1
+    if prompt_varies and suffix["suffix"].nunique(dropna=False) > 1:
         label = label.where(label == "", label + ", ") + "suffix " + texts(suffix, "suffix")
     return label.replace("", "all rows").astype(str)
 

@@ -253,7 +253,7 @@ COLUMNS: tuple[Column, ...] = (
         "prefix_disk_read_gbps",
         "float64",
         "GB/s",
-        "Prefix tiers: the prefix's bytes over the time its block files took to read and check, median, GB = 1e9",
+        "Prefix tiers: the bytes its block files held over the time they took to read and check, all the disk loads, GB = 1e9",
     ),
     Column(
         "prefix_rejected_blocks",

@@ -144,20 +144,23 @@ def write_table(frame: pd.DataFrame, columns: tuple[Column, ...], directory: str
     return path
 
 
+IDENTITY = ("run_id", "source")  # every table of these contracts has them; a parquet file without them is not one
+
+
+def read_table_file(path: str | Path) -> pd.DataFrame | None:
+    """One table file, or None when it is not a table of these contracts (a result row, say)."""
+    frame = pd.read_parquet(path)
+    return frame if set(IDENTITY) <= set(frame.columns) else None
+
+
+def empty_table(columns: tuple[Column, ...]) -> pd.DataFrame:
+    """No rows, the contract's columns: what a reader returns where no table was written."""
+    return pd.DataFrame({c.name: pd.Series(dtype=object) for c in columns})
+
+
 def read_tables(directory: str | Path, *, prefix: str, columns: tuple[Column, ...]) -> pd.DataFrame:
     """Every `<prefix>*.parquet` under `directory` (recursively: results/reference/<run>/tiers/ too), concatenated;
-    an empty frame with the contract's columns when there is none. Files that are not tables of this kind (a
-    missing column) are skipped."""
-    import pyarrow.parquet as pq
-
-    frames = []
-    for path in sorted(Path(directory).rglob(f"{prefix}*.parquet")):
-        if path.name.startswith("."):
-            continue
-        table = pq.read_table(path)
-        if not {"run_id", "source"} <= set(table.column_names):
-            continue
-        frames.append(table.to_pandas())
-    if not frames:
-        return pd.DataFrame({c.name: pd.Series(dtype=object) for c in columns})
-    return pd.concat(frames, ignore_index=True)
+    empty_table(columns) when there is none. Files that are not tables of this kind are skipped."""
+    paths = sorted(p for p in Path(directory).rglob(f"{prefix}*.parquet") if not p.name.startswith("."))
+    frames = [frame for frame in map(read_table_file, paths) if frame is not None]
+    return pd.concat(frames, ignore_index=True) if frames else empty_table(columns)
