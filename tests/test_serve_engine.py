@@ -132,3 +132,21 @@ def test_decodes_through_the_triton_kernel_match_solo_decoding(kv_dtype):
         actual = torch.tensor(result.outputs[request.request_id])
         # the same int8 codes read by another kernel: apart by rounding, within the format's tolerance (greedy.py)
         assert_same_greedy_tokens(actual[None], expected[None], logits[None], tol=LOGIT_TOL[kv_dtype])
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("strategy", ["paged", "prefix", "sliding"])
+def test_every_block_strategy_preempted_in_a_tiny_pool_matches_solo_decoding(strategy, mode):
+    """The crossings of issue #27 items 2 and 3: a window's request swapped out and back in must read its window's
+    K/V (not rows written into the blocks of its first tokens, then freed), and a prefix request's swap-in must
+    restore its own blocks only. 14 blocks of 4 tokens hold two to three requests at their peak; a window of 8
+    tokens holds at most 7 blocks a request (chunks of 16), so 10 blocks preempt it as often."""
+    window = 8 if strategy == "sliding" else None
+    num_blocks = 10 if window else 14
+    requests, prompts = mixed_requests(prefix_len=8 if strategy == "prefix" else 0)
+    result, iterations = run_engine(requests, prompts, strategy=strategy, num_blocks=num_blocks, window=window,
+                                    preemption_mode=mode, watermark=0.0, max_num_batched_tokens=16)  # fmt: skip
+    assert sum(record.preemptions for record in result.records) > 0
+    if mode == "swap":
+        assert any(output.swapped_in_ids for output in iterations)
+    assert_solo_equal(requests, prompts, result, cache="sliding" if window else "contiguous", window=window or 0)

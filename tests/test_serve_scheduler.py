@@ -199,6 +199,58 @@ def test_swap_keeps_the_computed_tokens_and_names_the_request_out_and_back_in():
     assert {record.output_len for record in simulation.records} == {10}
 
 
+def swap_stream(strategy: str, *, num_blocks: int) -> list:
+    """Three requests of 12 + 20 tokens in a pool of 4-token blocks too small for all: swapped out and back in."""
+    kv = PagedKVManager(num_blocks=num_blocks, block_size=4, sliding_window=8 if strategy == "sliding" else None,
+                        prefix_caching=strategy == "prefix")  # fmt: skip
+    config = SchedulerConfig(max_num_batched_tokens=64, watermark=0.0, max_model_len=64, preemption_mode="swap")
+    scheduler = Scheduler(config, kv)
+    for request_id in range(3):
+        scheduler.add_request(Request(request_id=request_id, arrival_s=0.0, prompt_len=12, output_len=20,
+                                      prefix_len=8 if strategy == "prefix" else 0))  # fmt: skip
+    simulation = simulate([], scheduler, step_time_s)
+    assert {record.output_len for record in simulation.records} == {20}
+    return simulation.iterations
+
+
+def test_a_window_swapped_back_in_takes_only_its_window_and_is_refilled_in_place():
+    """Issue #27 item 2: the readmitted table starts at the window's first kept block (8-token window, 4-token
+    blocks: the query at position c reads keys from c - 7), and the host rows go back under their logical index."""
+    saved: dict[int, set[int]] = {}
+    readmissions = 0
+    for output in swap_stream("sliding", num_blocks=8):
+        for swap in output.swap_out:
+            saved[swap.request_id] = set(swap.logical)
+        for swap in output.swap_in:
+            entry = next(entry for entry in output.scheduled if entry.request_id == swap.request_id)
+            first_kept = (entry.num_computed_tokens - 8 + 1) // 4
+            held = math.ceil(entry.num_computed_tokens / 4)
+            assert first_kept > 0, "the window had not slid yet: a weaker case"
+            assert all(block is None for block in entry.block_ids[:first_kept])
+            assert all(block is not None for block in entry.block_ids[first_kept:])
+            assert swap.logical == tuple(range(first_kept, held))  # every held block of the window, in place
+            assert set(swap.logical) <= saved[swap.request_id]
+            assert swap.blocks == entry.block_ids[first_kept:held]
+            readmissions += 1
+    assert readmissions >= 2
+
+
+def test_a_prefix_request_swapped_back_in_restores_only_the_blocks_it_owns():
+    """Issue #27 item 3: its prefix blocks, found cached and held by others too, are not written from the host."""
+    shared_hits = 0
+    for output in swap_stream("prefix", num_blocks=9):
+        for swap in output.swap_in:
+            entry = next(entry for entry in output.scheduled if entry.request_id == swap.request_id)
+            others = {block for e in output.scheduled if e.request_id != swap.request_id for block in e.block_ids}
+            assert not set(swap.blocks) & others, f"swap-in writes blocks others hold: {set(swap.blocks) & others}"
+            prefix_blocks = set(entry.block_ids[:2])  # the 8-token prefix: two whole blocks
+            assert not set(swap.blocks) & prefix_blocks
+            shared_hits += bool(prefix_blocks & others)
+            held = math.ceil(entry.num_computed_tokens / 4)
+            assert swap.logical == tuple(range(2, held))  # all the rest it had computed
+    assert shared_hits >= 1, "no readmission shared its prefix with a running request: a weaker case"
+
+
 # --- strategies at one budget -----------------------------------------------------------------------------------
 
 

@@ -83,8 +83,8 @@ class Engine:
         self.slot_of: dict[int, int] = {}
         self.token_ids: dict[int, list[int]] = {}  # request id -> prompt ids + outputs sampled so far
         self.prompt_len: dict[int, int] = {}
-        self.tables: dict[int, tuple[int | None, ...]] = {}  # request id -> its block table at its last iteration
-        self.swapped: dict[int, dict[str, torch.Tensor]] = {}  # request id -> its blocks' rows, on the host
+        # request id -> ({logical block index: its position in the rows}, {part name: its blocks' rows, on the host})
+        self.swapped: dict[int, tuple[dict[int, int], dict[str, torch.Tensor]]] = {}
 
     def add_request(self, request: Request, prompt_ids: Sequence[int]) -> None:
         if len(prompt_ids) != request.prompt_len:
@@ -107,7 +107,6 @@ class Engine:
     def _drop(self, request_id: int) -> None:
         if request_id in self.slot_of:
             self.free_slots.append(self.slot_of.pop(request_id))
-        self.tables.pop(request_id, None)
 
     def _slot(self, request_id: int) -> int:
         if self.paged:
@@ -120,35 +119,34 @@ class Engine:
         return self.cache.rows  # part name -> [L, N, H_kv, bs, width] (paged)
 
     def _swap(self, output: SchedulerOutput) -> None:
-        """vLLM v0's swap: the victims' blocks to the host before this forward reuses them; readmitted requests'
-        rows back into the blocks their new tables name. Blocks, not slots: contiguous is never preempted."""
-        for rid in output.swapped_out_ids:
-            blocks = [b for b in self.tables.pop(rid, ()) if b is not None]
-            index = torch.tensor(blocks, dtype=torch.long, device=self.device)
-            self.swapped[rid] = {name: part[:, index].to("cpu") for name, part in self._rows().items()}
-        swapped_in = set(output.swapped_in_ids)
-        for entry in output.scheduled:
-            if entry.request_id in swapped_in:
-                saved = self.swapped.pop(entry.request_id)
-                n_blocks = next(iter(saved.values())).shape[1]
-                blocks = [b for b in entry.block_ids if b is not None][:n_blocks]
-                index = torch.tensor(blocks, dtype=torch.long, device=self.device)
-                for name, part in self._rows().items():
-                    part[:, index] = saved[name].to(self.device)
+        """vLLM v0's swap, by the scheduler's block lists: the victims' blocks to the host before this forward
+        reuses them, and back into the blocks a readmission took new. Each is saved under its logical index, so a
+        window's rows return to their place in the table. Blocks, not slots: contiguous is never preempted."""
+        for swap in output.swap_out:
+            index = torch.tensor(swap.blocks, dtype=torch.long, device=self.device)
+            rows = {name: part[:, index].to("cpu") for name, part in self._rows().items()}
+            self.swapped[swap.request_id] = ({logical: i for i, logical in enumerate(swap.logical)}, rows)
+        for swap in output.swap_in:
+            position, rows = self.swapped.pop(swap.request_id)
+            if not swap.blocks:  # all its blocks were found cached (prefix hits): nothing to copy
+                continue
+            saved = torch.tensor([position[logical] for logical in swap.logical], dtype=torch.long)
+            index = torch.tensor(swap.blocks, dtype=torch.long, device=self.device)
+            for name, part in self._rows().items():
+                part[:, index] = rows[name][:, saved].to(self.device)
 
     def execute(self, output: SchedulerOutput) -> None:
         """Run one iteration's forward; append the sampled token of each request whose chunk reached its end."""
         for rid in output.preempted_ids:
             if rid not in output.swapped_out_ids:
                 self._drop(rid)
-        if output.swapped_out_ids or output.swapped_in_ids:
+        if output.swap_out or output.swap_in:
             self._swap(output)
         entries = output.scheduled
         ids: list[int] = []
         for entry in entries:
             start = entry.num_computed_tokens
             ids += self.token_ids[entry.request_id][start : start + entry.num_new_tokens]
-            self.tables[entry.request_id] = entry.block_ids
         batch = SeqBatch(
             slots=tuple(self._slot(entry.request_id) for entry in entries),
             start_pos=tuple(entry.num_computed_tokens for entry in entries),

@@ -170,42 +170,52 @@ class PagedKVManager:
             return 0
         return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
 
-    def _plan(self, request: Request, num_tokens: int) -> tuple[list[int], int, int]:
+    def _plan(self, request: Request, num_tokens: int, num_computed_tokens: int) -> tuple[list[int], int, int]:
         """(cached hits to touch, new blocks to take, blocks the window frees) for growing to num_tokens."""
         table = self.tables.get(request.request_id)
         if table is None:
             hits = self._cached_hits(request, num_tokens)
-            return hits, blocks_for(num_tokens, self.block_size) - len(hits), 0
+            skipped = max(len(hits), self._first_kept_block(num_computed_tokens))
+            return hits, blocks_for(num_tokens, self.block_size) - skipped, 0
         held_tokens = self.num_tokens[request.request_id]
         first_kept = self._first_kept_block(held_tokens)
         slid_off = sum(1 for block in table[:first_kept] if block is not None)
         return [], blocks_for(num_tokens, self.block_size) - len(table), slid_off
 
-    def can_allocate(self, request: Request, num_tokens: int, *, watermark_blocks: int = 0) -> bool:
-        """Whether growing to num_tokens fits and leaves watermark_blocks free (vLLM v0's can_allocate)."""
-        hits, new_blocks, slid_off = self._plan(request, num_tokens)
+    def can_allocate(
+        self, request: Request, num_tokens: int, *, num_computed_tokens: int = 0, watermark_blocks: int = 0
+    ) -> bool:
+        """Whether growing to num_tokens fits and leaves watermark_blocks free (vLLM v0's can_allocate).
+        num_computed_tokens: for a request holding no blocks, the tokens whose K/V it brings (prefix hits, or a
+        swapped-out request's computed tokens, restored from the host); a window's table then starts at its
+        first kept block, as it stood before the swap."""
+        hits, new_blocks, slid_off = self._plan(request, num_tokens, num_computed_tokens)
         revived = sum(1 for block in hits if self.pool.ref_counts[block] == 0)  # leave the free queue on a hit
         return new_blocks + revived <= self.num_free_blocks + slid_off - watermark_blocks
 
-    def allocate(self, request: Request, num_tokens: int) -> None:
-        """Grow the request's table to hold num_tokens tokens (can_allocate first: KVPoolExhausted otherwise)."""
-        if not self.can_allocate(request, num_tokens):
+    def allocate(self, request: Request, num_tokens: int, *, num_computed_tokens: int = 0) -> list[int]:
+        """Grow the request's table to hold num_tokens tokens (can_allocate first: KVPoolExhausted otherwise).
+        Returns the blocks taken new (vLLM v1's allocate_slots), in table order; cached hits are not among them."""
+        if not self.can_allocate(request, num_tokens, num_computed_tokens=num_computed_tokens):
             raise KVPoolExhausted(f"request {request.request_id}: no blocks for {num_tokens} tokens")
-        hits, new_blocks, _ = self._plan(request, num_tokens)
+        hits, new_blocks, _ = self._plan(request, num_tokens, num_computed_tokens)
         rid = request.request_id
         if rid not in self.tables:
             self.pool.touch(hits)
-            self.tables[rid], self.num_tokens[rid] = list(hits), 0
+            skipped = self._first_kept_block(num_computed_tokens) - len(hits)  # a window's, never with hits
+            self.tables[rid], self.num_tokens[rid] = list(hits) + [None] * max(0, skipped), num_computed_tokens
             self.hit_tokens.setdefault(rid, len(hits) * self.block_size)  # its first admission only, as vLLM's
         table = self.tables[rid]
         first_kept = self._first_kept_block(self.num_tokens[rid])
         slid_off = [block for block in table[:first_kept] if block is not None]
         self.pool.free_blocks(slid_off[::-1])
         table[:first_kept] = [None] * first_kept
-        table += self.pool.get_new_blocks(new_blocks)
+        taken = self.pool.get_new_blocks(new_blocks)
+        table += taken
         self.num_tokens[rid] = max(num_tokens, self.num_tokens[rid])
         for index in range(self._prefix_blocks(request, num_tokens)):  # scheduled prefix blocks become hits
             self.pool.cache_block(table[index], ("prefix", index))
+        return taken
 
     def free(self, request_id: int) -> None:
         """Return a request's blocks (finished or preempted), its last block first (vLLM's free order)."""
@@ -272,15 +282,19 @@ class ContiguousKVManager:
     def cached_prefix_tokens(self, request: Request, num_tokens: int) -> int:
         return 0
 
-    def can_allocate(self, request: Request, num_tokens: int, *, watermark_blocks: int = 0) -> bool:
+    def can_allocate(
+        self, request: Request, num_tokens: int, *, num_computed_tokens: int = 0, watermark_blocks: int = 0
+    ) -> bool:
         if num_tokens > self.max_model_len:
             return False
         return request.request_id in self.num_tokens or len(self.num_tokens) < self.num_slots
 
-    def allocate(self, request: Request, num_tokens: int) -> None:
+    def allocate(self, request: Request, num_tokens: int, *, num_computed_tokens: int = 0) -> list[int]:
+        """A slot, taken whole at admission: no blocks (the engine addresses slots by index)."""
         if not self.can_allocate(request, num_tokens):
             raise KVPoolExhausted(f"request {request.request_id}: no free slot of {self.max_model_len} tokens")
         self.num_tokens[request.request_id] = max(num_tokens, self.num_tokens.get(request.request_id, 0))
+        return []
 
     def free(self, request_id: int) -> None:
         self.num_tokens.pop(request_id, None)

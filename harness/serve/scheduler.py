@@ -14,8 +14,10 @@ After vLLM v1 (vllm/v1/core/sched/scheduler.py `schedule()`), with its knob name
 - A running request that cannot get a block preempts the last of the running queue (the lowest priority, the
   most recently admitted), itself if it is the last. Recompute (vLLM's default): its blocks are freed, its
   computed tokens reset to 0, and it goes to the FRONT of the waiting queue, to re-prefill prompt plus outputs.
-  Swap (vLLM v0's option): the same, but its computed tokens are kept; the output names it in swapped_out_ids,
-  and in swapped_in_ids when it is readmitted, for the engine to copy its K/V to host and back.
+  Swap (vLLM v0's option): the same, but its computed tokens are kept; the output lists the blocks it held in
+  swap_out, for the engine to copy to the host, and in swap_in, when it is readmitted, the blocks to copy back:
+  only those its readmission took new (a cached prefix block is shared and already holds its K/V), under their
+  logical index (a window's table is readmitted from its first kept block, not from its first token).
 - No request is admitted in an iteration that preempted one (vLLM v1: `if not preempted_reqs:`).
 - The iteration that computes a request's last known token samples its next one; it finishes at output_len.
 """
@@ -27,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from harness.errors import ConfigError
-from harness.serve.kv_manager import ContiguousKVManager, KVUsage, PagedKVManager
+from harness.serve.kv_manager import ContiguousKVManager, KVUsage, PagedKVManager, blocks_for
 from harness.serve.metrics import RequestRecord
 from harness.serve.requests import Request
 
@@ -101,17 +103,39 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True)
+class SwapBlocks:
+    """One request's blocks copied between the pool and the host (vLLM v0's blocks_to_swap_out / _in): logical[i]
+    is the index in its block table of the pool block blocks[i]."""
+
+    request_id: int
+    logical: tuple[int, ...]
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """What one forward needs, and the per-iteration row's scheduler columns."""
 
     now_s: float
     scheduled: tuple[ScheduledRequest, ...]  # running requests first, then those admitted, in that order
     preempted_ids: tuple[int, ...]
-    swapped_out_ids: tuple[int, ...]  # preempted by swap (also in preempted_ids): copy their K/V to the host first
-    swapped_in_ids: tuple[int, ...]  # readmitted after a swap: copy their K/V back before the forward
+    # Preempted by swap (also in preempted_ids): every block it held, to the host before the forward reuses them.
+    swap_out: tuple[SwapBlocks, ...]
+    # Readmitted after a swap: the blocks to fill from the host before the forward. Only those its readmission
+    # took new: a prefix block found cached is another's too and already holds its K/V, and a window's slid-off
+    # blocks are not taken again.
+    swap_in: tuple[SwapBlocks, ...]
     num_running: int
     num_waiting: int
     kv: KVUsage  # after this iteration's allocation
+
+    @property
+    def swapped_out_ids(self) -> tuple[int, ...]:
+        return tuple(swap.request_id for swap in self.swap_out)
+
+    @property
+    def swapped_in_ids(self) -> tuple[int, ...]:
+        return tuple(swap.request_id for swap in self.swap_in)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -166,21 +190,34 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _preempt(self, state: RequestState) -> None:
-        """vLLM's _preempt_request: blocks freed, to the front of the waiting queue."""
-        self.kv.free(state.request.request_id)
+    def _preempt(self, state: RequestState) -> SwapBlocks | None:
+        """vLLM's _preempt_request: blocks freed, to the front of the waiting queue. Swap: returns the blocks the
+        engine copies to the host (every one it held: a shared prefix block may be evicted before it returns)."""
+        rid = state.request.request_id
+        held = [(index, block) for index, block in enumerate(self.kv.block_table(rid)) if block is not None]
+        self.kv.free(rid)
         state.num_preemptions += 1
-        if self.config.preemption_mode == "swap":
-            state.swapped = True
-        else:
-            state.num_computed_tokens = 0
         self.waiting.appendleft(state)
+        if self.config.preemption_mode != "swap":
+            state.num_computed_tokens = 0
+            return None
+        state.swapped = True
+        return SwapBlocks(rid, tuple(index for index, _ in held), tuple(block for _, block in held))
+
+    def _swap_in(self, state: RequestState, new_blocks: list[int]) -> SwapBlocks:
+        """The blocks of a readmitted request to fill from the host: those of its table that this readmission took
+        new and that hold tokens it had computed (the rest are for the tokens it computes next)."""
+        rid, taken = state.request.request_id, set(new_blocks)
+        held = blocks_for(state.num_computed_tokens, self.kv.block_size)
+        restore = [(i, block) for i, block in enumerate(self.kv.block_table(rid)[:held]) if block in taken]
+        return SwapBlocks(rid, tuple(index for index, _ in restore), tuple(block for _, block in restore))
 
     def schedule(self, now_s: float) -> SchedulerOutput:
         token_budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[RequestState, int, int]] = []  # (state, offset, new tokens)
         preempted: list[RequestState] = []
-        swapped_in: list[int] = []
+        swap_out: list[SwapBlocks] = []
+        swap_in: list[SwapBlocks] = []
 
         # First the RUNNING requests, in admission order.
         index = 0
@@ -190,7 +227,8 @@ class Scheduler:
             preempted_itself = False
             while not preempted_itself and not self.kv.can_allocate(state.request, state.num_computed_tokens + num_new):
                 victim = self.running.pop()  # never one already scheduled: those sit before index
-                self._preempt(victim)
+                if (swap := self._preempt(victim)) is not None:
+                    swap_out.append(swap)
                 preempted.append(victim)
                 preempted_itself = victim is state
             if preempted_itself:
@@ -212,15 +250,19 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > token_budget:
                 break
             num_new = min(num_new, token_budget)
-            if not self.kv.can_allocate(state.request, num_computed + num_new, watermark_blocks=self.watermark_blocks):
+            # num_computed_tokens: the tokens it brings (prefix hits, or all it had computed when swapped out), so
+            # that a window's readmission takes no block its window has left
+            fits = self.kv.can_allocate(state.request, num_computed + num_new, num_computed_tokens=num_computed,
+                                        watermark_blocks=self.watermark_blocks)  # fmt: skip
+            if not fits:
                 break  # head of line: nobody behind it is admitted either
-            self.kv.allocate(state.request, num_computed + num_new)
+            new_blocks = self.kv.allocate(state.request, num_computed + num_new, num_computed_tokens=num_computed)
             self.waiting.popleft()
             self.running.append(state)
-            if state.swapped:
-                swapped_in.append(state.request.request_id)
-                state.swapped = False
             state.num_computed_tokens = num_computed
+            if state.swapped:
+                swap_in.append(self._swap_in(state, new_blocks))
+                state.swapped = False
             if state.first_scheduled_s is None:
                 state.first_scheduled_s = now_s
             scheduled.append((state, num_computed, num_new))
@@ -230,8 +272,8 @@ class Scheduler:
             now_s=now_s,
             scheduled=tuple(self._entry(state, offset, num_new) for state, offset, num_new in scheduled),
             preempted_ids=tuple(state.request.request_id for state in preempted),
-            swapped_out_ids=tuple(s.request.request_id for s in preempted if self.config.preemption_mode == "swap"),
-            swapped_in_ids=tuple(swapped_in),
+            swap_out=tuple(swap_out),
+            swap_in=tuple(swap_in),
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv=self.kv.usage(),
