@@ -231,3 +231,20 @@ def test_a_prefix_point_records_the_hit_the_miss_and_the_bytes_shared():
     assert row["ttft_miss_ms"] > 0 and row["ttft_ms"] > 0
     per_token = 2 * 2 * 2 * 16 * 4  # K|V x layers x kv_heads x head_dim x fp32 bytes
     assert row["kv_bytes_shared"] == (3 - 1) * 32 * per_token
+
+
+@pytest.mark.parametrize("prefix_len", [0, 5])  # none at all, and less than one whole block (block_size=8)
+def test_a_prefix_point_without_a_shared_block_measures_as_paged(prefix_len):
+    """Issue #27 item 1: cache=prefix with nothing to share was an `error` row (IndexError in prefix_columns)."""
+    from harness.config import RunConfig
+    from harness.run.bench import run_point
+
+    config = dict(model={"name": "tiny"}, dtype="fp32", batch_size=2, prompt_len=24, prefix_len=prefix_len, gen_len=4,
+                  warmup=1, min_repeats=2, max_repeats=2, isolate=False)  # fmt: skip
+    row = run_point(RunConfig(cache={"name": "prefix", "block_size": 8}, **config)).row
+    paged = run_point(RunConfig(cache={"name": "paged", "block_size": 8}, **config)).row
+    assert row["status"] == "ok", row.get("error")
+    assert row.get("prefix_hit") is None and row.get("prefix_source") is None  # no prefix: nothing to report
+    assert row["kv_bytes_shared"] == 0
+    assert row["kv_bytes_allocated"] == paged["kv_bytes_allocated"]
+    assert row["output_digest"] == paged["output_digest"]  # the same blocks, the same kernel: the same tokens

@@ -268,6 +268,8 @@ def prefix_columns(cache, run_once, *, n: int) -> dict:
         cache.forget_prefix()
         store.drop_host()
 
+    if not cache.prefix_sources:  # no whole block to share (prefix_len=0, or under a block): a paged cache
+        return {}
     columns = {"prefix_hit": cache.prefix_hit, "prefix_source": cache.prefix_sources[0]}
     if store is None:
         return columns | {"ttft_miss_ms": median_ttft(cache.forget_prefix)}
