@@ -33,7 +33,8 @@ from harness.model_args import ModelArgs
 from harness.plan.ledger import kv_bytes_per_token
 from harness.run.versus import save_checkpoint
 from harness.serve import peer
-from harness.serve.engine import Engine, build_cache, serve
+from harness.serve.capacity import check_pool_fits
+from harness.serve.engine import Engine, build_cache, check_servable, serve
 from harness.serve.kv_manager import make_kv_manager
 from harness.serve.metrics import request_row, run_metrics
 from harness.serve.requests import RequestSpec, generate, prompt_token_ids
@@ -76,6 +77,10 @@ def stream(a: argparse.Namespace) -> tuple[list, list[list[int]], int]:
                        max_model_len=longest)  # fmt: skip
     requests = generate(spec)
     args = ModelArgs.from_name(a.model)
+    check_servable(args)
+    # Each engine allocates this pool: past the device's free memory it is one line, not the OOM killer.
+    pool_bytes = a.num_blocks * a.block_size * kv_bytes_per_token(a.model, a.dtype)
+    check_pool_fits(pool_bytes, field="--num-blocks", device=a.device)
     return requests, prompt_token_ids(requests, vocab_size=args.vocab_size, seed=a.seed), longest
 
 

@@ -33,7 +33,6 @@ import contextlib
 import logging
 import math
 import os
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -45,7 +44,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from harness.config import RunConfig, Workload, device_type
-from harness.errors import ConfigError
+from harness.errors import ConfigError, exit_on_config_error
 from harness.plan import ledger as planner
 from harness.plan.runtime import GiB, default_runtime_overhead_bytes
 from harness.run import runner
@@ -303,21 +302,18 @@ def fleet_rows(cfg: CapacityConfig) -> pd.DataFrame:
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="capacity")
+@exit_on_config_error
 def main(cfg: DictConfig) -> None:
-    try:
-        config = CapacityConfig(**OmegaConf.to_container(cfg, resolve=True))
-        if config.mode == "plan":
-            book = planner.ledger(
-                config.workload(prompt_len=config.prompt_len),
-                memory_gb=config.memory_gb,
-                device=config.device,
-                runtime_overhead_bytes=config.runtime_overhead_bytes,
-            )
-        if config.mode == "fleet":  # reading the runs is the check that there are any
-            table = fleet_rows(config)
-    except ConfigError as exc:
-        print(f"kvbench: bad config: {exc}", file=sys.stderr)
-        sys.exit(2)
+    config = CapacityConfig(**OmegaConf.to_container(cfg, resolve=True))
+    if config.mode == "plan":
+        book = planner.ledger(
+            config.workload(prompt_len=config.prompt_len),
+            memory_gb=config.memory_gb,
+            device=config.device,
+            runtime_overhead_bytes=config.runtime_overhead_bytes,
+        )
+    if config.mode == "fleet":  # reading the runs is the check that there are any
+        table = fleet_rows(config)
     if config.mode == "plan":
         print(planner.format_ledger(book))
         return

@@ -30,7 +30,7 @@ from harness.config import ModelConfig, Workload, check_choice, device_type
 from harness.errors import ConfigError, exit_on_config_error
 from harness.model import build_model
 from harness.serve import capacity
-from harness.serve.engine import SERVE_KV_DTYPES, SERVE_STRATEGIES, Engine, build_cache, serve
+from harness.serve.engine import SERVE_KV_DTYPES, SERVE_STRATEGIES, Engine, build_cache, check_servable, serve
 from harness.serve.kv_manager import make_kv_manager, num_blocks_for
 from harness.serve.metrics import parse_slo_ms, request_row, run_metrics
 from harness.serve.requests import RequestSpec, describe, generate, prompt_token_ids, read_trace
@@ -140,6 +140,7 @@ def plan(cfg: ServeConfig) -> Plan:
     # The planner's workload: the paged layout prices a block (every strategy's pool is one of blocks here).
     paged = Workload(model=cfg.model, weights=cfg.weights, dtype=cfg.dtype, kv_dtype=kv_dtype,
                      cache={"name": "paged", "block_size": cfg.block_size})  # fmt: skip
+    check_servable(paged.model_args())
     knobs = dict(max_model_len=cfg.max_model_len, device=device, max_num_batched_tokens=cfg.max_num_batched_tokens,
                  max_num_seqs=cfg.max_num_seqs)  # fmt: skip
     if cfg.kv_memory_gb is None and cfg.gpu_memory_utilization is None and device == "cuda":
@@ -150,6 +151,9 @@ def plan(cfg: ServeConfig) -> Plan:
     budget = capacity.kv_budget(paged, **knobs)
     block_bytes = capacity.bytes_per_block(paged)
     num_blocks = num_blocks_for(budget.kv_bytes, block_bytes)
+    # The pool against what the device has free now: a budget past it is one line, not the OOM killer mid-run.
+    field = "memory_gb" if budget.source == "gpu_memory_utilization" and cfg.memory_gb is not None else budget.source
+    capacity.check_pool_fits(num_blocks * block_bytes, field=field, device=device)
     # Every request must run alone in this pool, the one-line refusal a server gives before serving.
     probe = Scheduler(scheduler_config, kv_manager(cfg, num_blocks))
     for request in requests:

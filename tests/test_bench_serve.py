@@ -3,6 +3,8 @@ serving run, and the table says the ratio and that every request made the same t
 
 from __future__ import annotations
 
+import pytest
+
 from experiments import bench_serve
 from harness.serve.rows import load_run
 
@@ -23,3 +25,12 @@ def test_bench_serve_prints_both_engines_the_ratio_and_equal_tokens(tmp_path, ca
         assert len(requests) == 6 and (requests["output_len"] >= 4).all()
         engines.add(row["engine"])
     assert engines == {"kvbench", "transformers-cb"}
+
+
+def test_a_pool_past_the_machine_is_one_line_before_any_engine_is_built(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_serve.main(["--model", "tiny", "--num-blocks", str(10**12), "--results-dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvbench: bad config: --num-blocks: a KV pool of ") and "\n" not in err
+    assert list(tmp_path.iterdir()) == []

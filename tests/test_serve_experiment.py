@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from experiments import serve as app
 from harness.errors import ConfigError
+from harness.serve import capacity
 from harness.serve.rows import load_run, serve_run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,7 +92,27 @@ def test_bad_input_from_the_command_line_is_one_line_and_writes_nothing(tmp_path
     result = cli(tmp_path, *TINY, "kv_memory_gb=0.01", "tpot_slo_ms=fast")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("kvbench: bad config: tpot_slo_ms:")
-    assert not (tmp_path / "serve").exists()
+    assert list(tmp_path.iterdir()) == []  # no run folder, nor Hydra's serve-logs/ (issue #27 item 8)
+
+
+def test_a_pool_larger_than_the_free_memory_is_one_config_error_naming_both_figures(monkeypatch):
+    monkeypatch.setattr(capacity, "free_memory_bytes", lambda device: 2**30)  # 1 GiB free, whatever the host has
+    stream = ("prompt_len=40", "output_len=8", "num_prompts=4")
+    with pytest.raises(ConfigError, match=r"kv_memory_gb: a KV pool of 1.5 GiB is more than the 1 GiB of available"):
+        app.plan(config(*TINY, *stream, "kv_memory_gb=1.5"))
+    assert app.plan(config(*TINY, *stream, "kv_memory_gb=0.5")).num_blocks > 0
+    with pytest.raises(ConfigError, match=r"^memory_gb: a KV pool of .* GiB is more than the 1 GiB"):
+        app.plan(config(*TINY, *stream, "gpu_memory_utilization=0.9", "memory_gb=4"))
+
+
+def test_a_budget_past_the_machine_is_refused_in_one_line_before_anything_is_allocated(tmp_path):
+    result = cli(
+        tmp_path, *TINY, "kv_memory_gb=100000", "num_prompts=4", "prompt_len=40", "output_len=8"
+    )  # the issue's: an OOM kill at 22 of 23 GB
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [result.stderr.strip().splitlines()[-1]]
+    assert result.stderr.startswith("kvbench: bad config: kv_memory_gb: a KV pool of 100,000 GiB is more than")
+    assert list(tmp_path.iterdir()) == []  # no run folder, no Hydra log
 
 
 def test_a_run_writes_its_requests_iterations_and_run_row(tmp_path):

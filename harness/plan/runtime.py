@@ -121,3 +121,16 @@ def detected_memory_bytes(device: str) -> int:
     import psutil
 
     return psutil.virtual_memory().total
+
+
+def free_memory_bytes(device: str) -> int:
+    """What one more allocation may take now. CUDA: the device's free memory (cudaMemGetInfo, other processes' use
+    subtracted); CPU: the host's available memory (psutil's `available`: free plus what the kernel can reclaim
+    without swapping), so that a pool larger than it is refused in one line, never grown into the OOM killer."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device: cuda is not available here; allowed: cpu, or auto")
+        return torch.cuda.mem_get_info()[0]
+    import psutil
+
+    return psutil.virtual_memory().available

@@ -31,7 +31,7 @@ from harness.kv.base import blocks_for
 from harness.kv.paged import PagedLayout
 from harness.plan.activations import forward_bytes
 from harness.plan.ledger import buffers_bytes, weights_bytes
-from harness.plan.runtime import GiB, default_runtime_overhead_bytes, detected_memory_bytes
+from harness.plan.runtime import GiB, default_runtime_overhead_bytes, detected_memory_bytes, free_memory_bytes
 from harness.serve.requests import Request
 
 # vLLM's defaults (SchedulerConfig.max_num_seqs; V1's online-serving max_num_batched_tokens on a GPU under 70 GiB):
@@ -146,6 +146,27 @@ def kv_budget(
     one = _one_request(workload, prompt_len=max_model_len - 1, output_len=1, prefix_len=0)
     _check_holds_one(pool, budget.kv_bytes, _units_of(pool, one)[1], tokens=max_model_len, field=budget.source)
     return budget
+
+
+def check_pool_fits(pool_bytes: int, *, field: str, device: str, free_bytes: int | None = None) -> None:
+    """A KV pool of `pool_bytes` must fit in what `device` has free now (harness.plan.runtime.free_memory_bytes,
+    or `free_bytes` as given): else a one-line ConfigError naming `field` and both figures, before the pool is
+    allocated. vLLM refuses the same way at start (its gpu_worker checks the requested memory against the free
+    memory, "Free memory on device ... is less than desired GPU memory utilization"); a CPU pool larger than the
+    host's memory would otherwise be grown page by page until the kernel's OOM killer ends the process, and may
+    take others on the host with it."""
+    free = free_memory_bytes(device_type(device)) if free_bytes is None else free_bytes
+    if pool_bytes > free:
+        where = "free device memory (cudaMemGetInfo)" if device_type(device) == "cuda" else "available host memory"
+        raise ConfigError(
+            f"{field}: a KV pool of {_gib(pool_bytes)} GiB is more than the {_gib(free)} GiB of {where} here now; "
+            "allowed: a pool smaller than that"
+        )
+
+
+def _gib(n_bytes: int) -> str:
+    gib = n_bytes / GiB
+    return f"{gib:.3g}" if gib < 1000 else f"{gib:,.0f}"  # 0.0625, 22.4, 100,000
 
 
 def kv_budget_bytes(workload: Workload, **knobs) -> int:

@@ -39,6 +39,16 @@ SERVE_STRATEGIES = ("contiguous", "paged", "prefix", "sliding")  # harness.serve
 SERVE_KV_DTYPES = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8")  # per-token formats (not int4)
 
 
+def check_servable(args) -> None:
+    """Serving's per-sequence attention (harness.kv.varlen) reads K/V heads: an MLA model (its one latent row per
+    token, harness.mla) is a one-line ConfigError before anything is built, not an Unsupported mid-run."""
+    if args.is_mla:
+        raise ConfigError(
+            f"model: {args.name} is MLA, whose latent cache serving cannot read yet (its per-sequence attention "
+            "takes K/V heads); allowed: a model with K/V heads (GQA, MQA or MHA), or MLA through experiments.decode"
+        )
+
+
 def build_cache(
     strategy: str,
     args,
