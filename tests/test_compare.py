@@ -339,10 +339,10 @@ def test_cli_compare_exits_2_on_a_bad_option_with_one_line(sweep_dirs, caplog, o
     assert message in record.getMessage() and "\n" not in record.getMessage()
 
 
-def test_cli_compare_exits_2_on_a_missing_or_empty_side(sweep_dirs, tmp_path, caplog):
+def test_cli_compare_exits_2_on_a_missing_or_empty_side(sweep_dirs, tmp_path, capsys, caplog):
     a, _ = sweep_dirs
     assert cli.main(["compare", str(a), str(tmp_path / "nowhere")]) == 2
-    assert "B: " in caplog.text and "does not exist" in caplog.text
+    assert capsys.readouterr().err == f"kvbench-results compare: {tmp_path / 'nowhere'}: no such file or directory\n"
     (tmp_path / "empty").mkdir()
     assert cli.main(["compare", str(tmp_path / "empty"), str(a)]) == 2
     assert "A: no result rows under" in caplog.text
