@@ -66,6 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     compare_parser.add_argument(
         "--fail-on", default="0", help="exit 1 only when a SLOW pair is more than this fraction slower (0.05: 5%%)"
     )
+    compare_parser.add_argument(
+        "--trust-noisy",
+        action="store_true",
+        help="give a pair with a host_busy or not converged side its plain verdict (default: AMBIGUOUS, with why)",
+    )
     args = parser.parse_args(argv)
     # A path that is not there is a typo, not an empty result set: said as argparse says a bad argument (one line
     # on stderr, exit 2), before any file is read. An existing empty folder still reads as no rows.
@@ -122,7 +127,11 @@ def compare_command(args: argparse.Namespace) -> int:
             raise ValueError(f"{name}: no result rows under {path}")
         sides.append(rows)
     result = compare.compare(
-        *sides, metric=args.metric, threshold=options["threshold"], confidence=options["confidence"]
+        *sides,
+        metric=args.metric,
+        threshold=options["threshold"],
+        confidence=options["confidence"],
+        trust_noisy=args.trust_noisy,
     )
     if args.format == "md":
         text = compare.to_markdown(result, a_name=str(args.a), b_name=str(args.b))
