@@ -96,6 +96,20 @@ def test_the_throughput_metric_keeps_fast_fast(monkeypatch, two_sweeps):
     assert verdicts[FAST_PROMPT] == "FAST" and verdicts[SLOW_PROMPT] == "SLOW"
 
 
+def test_a_busy_b_sweep_is_ambiguous_with_its_reason_until_trusted(monkeypatch, tmp_path):
+    a, b = result_sets()
+    # Another started_at: other measurements than two_sweeps' to the page's cache, which is keyed on their identity.
+    busy = b.assign(host_busy=True, started_at="2026-12-01T11:00:00")
+    write(pd.concat([a, busy], ignore_index=True), tmp_path)
+    at = open_compare(monkeypatch, tmp_path)
+    (table,) = at.dataframe
+    assert set(table.value["verdict"]) == {"AMBIGUOUS"} and set(table.value["reason"]) == {"B host_busy"}
+    trust = next(widget for widget in at.checkbox if widget.label == "trust noisy rows")
+    assert trust.value is False
+    trust.check().run()
+    assert shown_verdicts(at) == KNOWN_VERDICTS
+
+
 def test_two_sweeps_with_nothing_to_pair_say_so(monkeypatch, tmp_path):
     write(
         pd.DataFrame(
@@ -129,7 +143,18 @@ def test_the_verdict_table_colours_each_verdict():
     table = verdict_table(compare.compare(*result_sets()))
     html = styled_verdicts(table).to_html()
     assert all(colour in html for colour in VERDICT_COLOURS.values())
-    assert list(table.columns) == ["workload", "A", "B", "B/A", "CI low", "CI high", "threshold", "verdict", "note"]
+    assert list(table.columns) == [
+        "workload",
+        "A",
+        "B",
+        "B/A",
+        "CI low",
+        "CI high",
+        "threshold",
+        "verdict",
+        "reason",
+        "note",
+    ]
 
 
 def test_the_ratio_chart_of_no_pairs_says_so():

@@ -351,6 +351,35 @@ def test_cli_show_filters_by_sweep(tmp_path, capsys):
     assert "alpha" not in printed
 
 
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        ["show", "{missing}"],
+        ["export", "{missing}", "{tmp}/all.csv"],
+        ["compact", "{missing}"],
+        ["diff", "{missing}", "aaaa", "bbbb"],
+        ["compare", "{missing}", "{tmp}"],
+        ["compare", "{tmp}", "{missing}"],
+    ],
+    ids=["show", "export", "compact", "diff", "compare-a", "compare-b"],
+)
+def test_cli_refuses_a_missing_path_with_one_line_and_exit_2_before_reading_anything(
+    tmp_path, capsys, monkeypatch, arguments
+):
+    monkeypatch.setattr(disk, "parquet_files", lambda path: pytest.fail(f"read {path}"))  # every reader lists here
+    missing = tmp_path / "no" / "such" / "dir"
+    argv = [argument.format(missing=missing, tmp=tmp_path) for argument in arguments]
+    assert cli.main(argv) == 2
+    printed = capsys.readouterr()
+    assert printed.err == f"kvbench-results {argv[0]}: {missing}: no such file or directory\n"
+    assert printed.out == "" and not (tmp_path / "all.csv").exists()
+
+
+def test_cli_show_of_an_existing_empty_folder_says_no_results_and_exits_0(tmp_path, capsys):
+    assert cli.main(["show", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == "(no results)\n"
+
+
 def test_cli_columns_prints_the_markdown_table(capsys):
     assert cli.main(["columns"]) == 0
     assert capsys.readouterr().out == columns_markdown()

@@ -13,7 +13,7 @@ st.title("Compare")
 st.caption(
     "Points of two sweeps paired by their workload key; B/A with a bootstrap interval from the repeats. "
     "SAME: the ratio lies within 1 ± t; SLOW or FAST: its whole interval lies beyond; AMBIGUOUS: past the band, "
-    "its interval reaching back into it. "
+    "its interval reaching back into it, or a side flagged host_busy or not converged (unless its rows are trusted). "
     "t is the larger of the threshold and twice the noisier side's relative standard error."
 )
 rows = page_rows()
@@ -39,16 +39,27 @@ metric = metric_column.selectbox("metric", list(compare.METRICS))
 threshold_pct = threshold_column.number_input(
     "threshold (%)", min_value=0.0, max_value=100.0, value=100 * compare.DEFAULT_THRESHOLD, step=0.5
 )
+trust_noisy = st.checkbox(
+    "trust noisy rows",
+    value=False,
+    help="Give a pair with a host_busy or not converged side its plain verdict; by default it is AMBIGUOUS, and "
+    "its reason says which side. `kvbench-results compare --trust-noisy` does the same.",
+)
 
 
 @st.cache_data(show_spinner="Bootstrapping the ratios…")
 def verdicts(
-    measurements: tuple, _a_rows: pd.DataFrame, _b_rows: pd.DataFrame, metric: str, threshold: float
+    measurements: tuple,
+    _a_rows: pd.DataFrame,
+    _b_rows: pd.DataFrame,
+    metric: str,
+    threshold: float,
+    trust_noisy: bool,
 ) -> compare.Comparison:
     """compare.compare, cached on the measurements compared (~10 ms a pair: four seeded bootstraps of 2000
     resamples), so that a rerun for another widget is free. Keyed on `measurements`, not on the rows: their list
     columns defeat Streamlit's DataFrame hash."""
-    return compare.compare(_a_rows, _b_rows, metric=metric, threshold=threshold)
+    return compare.compare(_a_rows, _b_rows, metric=metric, threshold=threshold, trust_noisy=trust_noisy)
 
 
 def measurement_keys(part: pd.DataFrame) -> tuple:
@@ -56,7 +67,9 @@ def measurement_keys(part: pd.DataFrame) -> tuple:
 
 
 a_rows, b_rows = (rows[rows["sweep_id"].astype(str) == sweep] for sweep in (a_sweep, b_sweep))
-result = verdicts((measurement_keys(a_rows), measurement_keys(b_rows)), a_rows, b_rows, metric, threshold_pct / 100)
+result = verdicts(
+    (measurement_keys(a_rows), measurement_keys(b_rows)), a_rows, b_rows, metric, threshold_pct / 100, trust_noisy
+)
 st.markdown(compare.summary_line(result, a_name=f"`{a_sweep}`", b_name=f"`{b_sweep}`"))
 if result.verdicts.empty:
     st.info(

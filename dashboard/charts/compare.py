@@ -18,7 +18,7 @@ NO_PAIRS = "no pairs"
 
 def verdict_table(comparison: Comparison) -> pd.DataFrame:
     """One line per pair: the workload, A's and B's medians, the ratio B/A, its interval, the band's half-width t
-    (a fraction), the verdict and the note."""
+    (a fraction), the verdict, why a flagged pair is AMBIGUOUS (empty otherwise) and the note."""
     lines = comparison.verdicts
     return pd.DataFrame(
         {
@@ -30,6 +30,7 @@ def verdict_table(comparison: Comparison) -> pd.DataFrame:
             "CI high": lines["ci_high"].astype("float64"),
             "threshold": lines["threshold"].astype("float64"),
             "verdict": lines["verdict"].astype(str),
+            "reason": lines["reason"].astype(str),
             "note": lines["note"].astype(str),
         }
     )

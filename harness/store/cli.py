@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,22 +35,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     export_parser = commands.add_parser("export", help="merge every row under SRC into one .csv or .parquet file")
     export_parser.add_argument("src", type=Path, help="results directory (searched recursively) or .parquet file")
     export_parser.add_argument("out", type=Path, help="output file; its suffix (.csv or .parquet) picks the format")
+    export_parser.set_defaults(inputs=("src",))
     show_parser = commands.add_parser("show", help="print a summary table of the rows under SRC")
     show_parser.add_argument("src", type=Path, help="results directory (searched recursively) or .parquet file")
     show_parser.add_argument("--sweep", metavar="ID", help="only rows whose sweep_id is ID")
+    show_parser.set_defaults(inputs=("src",))
     commands.add_parser("columns", help="print the column contract as a Markdown table")
     compact_parser = commands.add_parser("compact", help="merge each sweep folder's point files into one file")
     compact_parser.add_argument("results_dir", type=Path, help="results directory (every sweep folder under it)")
     compact_parser.add_argument("--sweep", metavar="ID", help="only the sweep folder named ID")
+    compact_parser.set_defaults(inputs=("results_dir",))
     diff_parser = commands.add_parser("diff", help="what differs between two rows (config, environment, figures)")
     diff_parser.add_argument("src", type=Path, help="results directory (searched recursively) or .parquet file")
     diff_parser.add_argument("a", help="a point_id, or a unique prefix of one")
     diff_parser.add_argument("b", help="another point_id, or a unique prefix of one")
+    diff_parser.set_defaults(inputs=("src",))
     compare_parser = commands.add_parser(
         "compare", help="A/B verdicts (FAST, SLOW, SAME, AMBIGUOUS) per point paired by workload key"
     )
     compare_parser.add_argument("a", type=Path, help="baseline: results directory, sweep folder or .parquet file")
     compare_parser.add_argument("b", type=Path, help="candidate, as A; the ratio is B/A")
+    compare_parser.set_defaults(inputs=("a", "b"))
     compare_parser.add_argument("--metric", default="tpot_ms", help=f"one of {', '.join(compare.METRICS)}")
     compare_parser.add_argument(
         "--threshold", default=str(compare.DEFAULT_THRESHOLD), help="smallest relative change given a verdict"
@@ -60,7 +66,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     compare_parser.add_argument(
         "--fail-on", default="0", help="exit 1 only when a SLOW pair is more than this fraction slower (0.05: 5%%)"
     )
+    compare_parser.add_argument(
+        "--trust-noisy",
+        action="store_true",
+        help="give a pair with a host_busy or not converged side its plain verdict (default: AMBIGUOUS, with why)",
+    )
     args = parser.parse_args(argv)
+    # A path that is not there is a typo, not an empty result set: said as argparse says a bad argument (one line
+    # on stderr, exit 2), before any file is read. An existing empty folder still reads as no rows.
+    missing = [path for path in (getattr(args, name) for name in getattr(args, "inputs", ())) if not path.exists()]
+    if missing:
+        print(f"{parser.prog} {args.command}: {missing[0]}: no such file or directory", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     try:
@@ -104,15 +121,17 @@ def compare_command(args: argparse.Namespace) -> int:
     if args.format not in compare.FORMATS:
         raise ValueError(f"--format: {args.format!r} is not one of {', '.join(compare.FORMATS)}")
     sides = []
-    for path, name in ((args.a, "A"), (args.b, "B")):
-        if not path.exists():
-            raise ValueError(f"{name}: {path} does not exist; allowed: a results directory, sweep folder or .parquet")
+    for path, name in ((args.a, "A"), (args.b, "B")):  # both exist: main() checked
         rows = disk.load(path)
         if rows.empty:
             raise ValueError(f"{name}: no result rows under {path}")
         sides.append(rows)
     result = compare.compare(
-        *sides, metric=args.metric, threshold=options["threshold"], confidence=options["confidence"]
+        *sides,
+        metric=args.metric,
+        threshold=options["threshold"],
+        confidence=options["confidence"],
+        trust_noisy=args.trust_noisy,
     )
     if args.format == "md":
         text = compare.to_markdown(result, a_name=str(args.a), b_name=str(args.b))

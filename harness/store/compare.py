@@ -17,9 +17,17 @@ wholly is AMBIGUOUS:
     SLOW       the whole interval lies above 1 + t    (FAST for a higher-is-better metric, decode_tok_s)
     FAST       the whole interval lies below 1 - t    (SLOW for a higher-is-better metric)
     AMBIGUOUS  the ratio is past the band but its interval reaches back into it (the noise overlaps the change),
-               or there is no spread to judge by
+               or there is no spread to judge by, or a side is host_busy or not converged (below)
 
-A point compared with itself is SAME, whatever its noise.
+A point compared with itself is SAME, whatever the spread of its samples.
+
+A pair whose either side was measured on a busy host (host_busy) or stopped before its repeats converged
+(converged false) is AMBIGUOUS whatever its interval, and its `reason` says which ("B host_busy", "A not
+converged"). The measurement itself flagged such a row: a busy host's steal can shift every repeat at once (a
+tight interval around a shifted median), and a row that did not converge stopped with its noise above its target,
+so no interval on their samples is evidence of a change. trust_noisy (`--trust-noisy`, the Compare page's "trust
+noisy rows") gives such a pair its plain verdict, and the flags move to its note. A flag not recorded (null: an
+older row) is no flag.
 
 Torch-free (numpy, pandas), so that the dashboard computes the very verdicts the command prints.
 """
@@ -80,6 +88,7 @@ VERDICT_COLUMNS = (
     "ci_high",
     "threshold",
     "verdict",
+    "reason",  # why a flagged pair is AMBIGUOUS whatever its interval; empty otherwise
     "note",
     "a_point_id",
     "b_point_id",
@@ -211,8 +220,10 @@ def compare(
     metric: str = "tpot_ms",
     threshold: float = DEFAULT_THRESHOLD,
     confidence: float = DEFAULT_CONFIDENCE,
+    trust_noisy: bool = False,
 ) -> Comparison:
-    """Pair A's and B's ok rows and give each pair its ratio B/A, interval, threshold and verdict."""
+    """Pair A's and B's ok rows and give each pair its ratio B/A, interval, threshold and verdict (AMBIGUOUS for a
+    pair with a host_busy or not converged side, unless trust_noisy)."""
     check_options(metric=metric, threshold=threshold, confidence=confidence)
     spec = METRICS[metric]
     pairs = pair(a_rows, b_rows)
@@ -222,7 +233,9 @@ def compare(
         # to compare; nvbench's compare skips such states too.
         measured.append(_has_metric(a, spec) and _has_metric(b, spec))
         if measured[-1]:
-            lines.append(_compare_one(a, b, spec=spec, threshold=threshold, confidence=confidence))
+            lines.append(
+                _compare_one(a, b, spec=spec, threshold=threshold, confidence=confidence, trust_noisy=trust_noisy)
+            )
     unmeasured = measured.count(False)
     notes = pairs.notes + ((f"{unmeasured} pairs left out: no {metric} on one side or both",) if unmeasured else ())
     keys = pairs.a.loc[measured, list(POINT_KEY_COLUMNS)].reset_index(drop=True)
@@ -250,11 +263,15 @@ def verdict(*, ratio: float, low: float, high: float, threshold: float, higher_i
     return AMBIGUOUS
 
 
-def _compare_one(a: pd.Series, b: pd.Series, *, spec: Metric, threshold: float, confidence: float) -> dict:
+def _compare_one(
+    a: pd.Series, b: pd.Series, *, spec: Metric, threshold: float, confidence: float, trust_noisy: bool
+) -> dict:
     samples_a, samples_b = _samples(a, spec), _samples(b, spec)
-    # converged: null is "not recorded" (rows older than the column), never False
-    notes = [f"{side} not converged" for side, row in (("A", a), ("B", b)) if _recorded_false(row.get("converged"))]
-    notes += [f"{side}'s host busy" for side, row in (("A", a), ("B", b)) if row.get("host_busy") is True]
+    # converged and host_busy: null is "not recorded" (rows older than the columns), never a flag
+    flags = [f"{side} not converged" for side, row in (("A", a), ("B", b)) if _recorded_false(row.get("converged"))]
+    flags += [f"{side} host_busy" for side, row in (("A", a), ("B", b)) if _recorded_true(row.get("host_busy"))]
+    held = bool(flags) and not trust_noisy  # the verdict held back as AMBIGUOUS, the flags its reason
+    notes = [] if held else flags
     for column, what in (("device_name", "ran on"), ("cpu_capability", "dispatched to")):
         values = [row.get(column) for row in (a, b)]
         if all(isinstance(value, str) for value in values) and values[0] != values[1]:  # a null: not recorded
@@ -277,6 +294,7 @@ def _compare_one(a: pd.Series, b: pd.Series, *, spec: Metric, threshold: float, 
             fallback = ", tpot_rse or tpot_cv" if spec.recorded_spread else ""
             notes[-1] = f"no spread recorded for {' and '.join(missing)} (no {spec.samples_column}{fallback})"
     band = max(threshold, NOISE_FACTOR * noise)
+    plain = verdict(ratio=ratio, low=low, high=high, threshold=band, higher_is_better=spec.higher_is_better)
     return {
         "a_median": median_a,
         "b_median": median_b,
@@ -284,7 +302,8 @@ def _compare_one(a: pd.Series, b: pd.Series, *, spec: Metric, threshold: float, 
         "ci_low": low,
         "ci_high": high,
         "threshold": band,
-        "verdict": verdict(ratio=ratio, low=low, high=high, threshold=band, higher_is_better=spec.higher_is_better),
+        "verdict": AMBIGUOUS if held else plain,
+        "reason": "; ".join(flags) if held else "",
         "note": "; ".join(notes),
         "a_point_id": a.get("point_id"),
         "b_point_id": b.get("point_id"),
@@ -328,6 +347,10 @@ def _recorded_false(value: object) -> bool:
     return value is not None and not pd.isna(value) and not bool(value)
 
 
+def _recorded_true(value: object) -> bool:
+    return value is not None and not pd.isna(value) and bool(value)
+
+
 def _number(value: object) -> float:
     try:
         return math.nan if value is None or pd.isna(value) else float(value)
@@ -360,14 +383,14 @@ def to_markdown(comparison: Comparison, *, a_name: str, b_name: str) -> str:
     lines = [f"**kvbench compare** {summary_line(comparison, a_name=a_name, b_name=b_name)}", ""]
     if len(comparison.verdicts):
         lines += [
-            f"| workload | A ({unit}) | B ({unit}) | B/A | CI | threshold | verdict | note |",
-            "|---|---:|---:|---:|---|---:|---|---|",
+            f"| workload | A ({unit}) | B ({unit}) | B/A | CI | threshold | verdict | reason | note |",
+            "|---|---:|---:|---:|---|---:|---|---|---|",
         ]
         for line in comparison.verdicts.itertuples(index=False):
             lines.append(
                 f"| {_cell(line.workload)} | {line.a_median:.4g} | {line.b_median:.4g} | {line.ratio:.3f} | "
                 f"[{line.ci_low:.3f}, {line.ci_high:.3f}] | ±{line.threshold:.1%} | **{line.verdict}** | "
-                f"{_cell(line.note)} |"
+                f"{_cell(line.reason)} | {_cell(line.note)} |"
             )
     else:
         lines.append("No pairs: no ok row of A has the workload key of an ok row of B.")
