@@ -11,6 +11,7 @@ from streamlit.testing.v1 import AppTest
 
 from dashboard import data, serve_data, sidebar
 from harness.serve.rows import serve_run_dir
+from harness.store import disk
 from tests.serve_runs import NUM_PROMPTS, QPS, STRATEGIES, TTFT_SLO_MS, write_run, write_sweep
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
@@ -123,3 +124,23 @@ def test_serving_parts_are_not_reported_as_unreadable_point_rows(tmp_path):
     write_run(tmp_path, run_id="done")
     _, skipped = data.load_rows((str(tmp_path),))
     assert skipped == []
+
+
+def test_in_a_results_folder_holding_the_reference_only_a_truly_unreadable_point_file_is_named(tmp_path, monkeypatch):
+    # The default sidebar reads results/ (which holds reference/) and results/reference/: results/ is then walked
+    # folder by folder, and serve/ is read as a folder of its own (issue #27 item 7: 48 parts were named).
+    results = tmp_path / "results"
+    monkeypatch.setattr(data, "REFERENCE_DIR", results / "reference")
+    write_run(results, run_id="done")
+    write_run(results / "reference", run_id="committed")
+    point = disk.write_point({"point_id": "p0", "sweep_id": "s1", "status": "ok"}, results / "s1")
+    sources = (str(results), str(results / "reference"))
+    rows, skipped = data.load_rows(sources)
+    assert skipped == [] and rows["point_id"].tolist() == ["p0"]
+
+    whole = point.read_bytes()
+    truncated = results / "s1" / "truncated.parquet"
+    truncated.write_bytes(whole[: len(whole) // 2])
+    rows, skipped = data.load_rows(sources)
+    assert [line.partition(": ")[0] for line in skipped] == [str(truncated)]
+    assert rows["point_id"].tolist() == ["p0"]

@@ -29,8 +29,8 @@ from harness.store import disk
 from harness.store.disk import write_parquet
 
 SERVE_DIR = disk.SERVE_DIR  # <results_dir>/serve/<run_id>/
-RUN_FILE = "run.parquet"
-TABLES = ("requests", "iterations")
+RUN_FILE = disk.SERVE_RUN_FILE  # run.parquet
+TABLES = disk.SERVE_TABLES  # requests, iterations: the numbered parts' names (the point-row reader skips them)
 _RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")  # a folder name, safe everywhere and never hidden
 _PERCENTILE_COLUMN = re.compile(rf"p\d+(\.\d+)?_({'|'.join(LATENCY_METRICS)})_ms")  # run_metrics' p<P>_<m>_ms
 
