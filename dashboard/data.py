@@ -105,20 +105,13 @@ def _load_tree(root: Path, *, exclude: Path | None, skipped: list[str]) -> list[
             continue
         if child.is_dir():
             frames += _load_tree(child, exclude=exclude, skipped=skipped)
-        elif _is_row_file(child):
+        elif disk.is_row_file(child, root=root):
             try:
                 frames.append(disk.load(child))
             except (ValueError, OSError) as exc:  # load() raises for a single bad file; a folder's it skips
                 log.warning("skipped %s", exc)
                 skipped.append(str(exc))
     return frames
-
-
-def _is_row_file(path: Path) -> bool:
-    name = path.name
-    return (
-        name.endswith(".parquet") and not name.endswith(disk.OPS_SUFFIX) and not name.startswith(disk.FRONTIER_PREFIX)
-    )
 
 
 def filter_rows(rows: pd.DataFrame, selections: dict[str, list]) -> pd.DataFrame:

@@ -200,7 +200,18 @@ def kv_manager(cfg: ServeConfig, num_blocks: int):
 
 
 def run(p: Plan, *, run_dir: Path, sweep_id: str) -> dict:
-    """Build the model and the pool, serve the stream, write the rows; returns the run row."""
+    """Build the model and the pool, serve the stream, write the rows; returns the run row.
+
+    The run's manifest is written first (status running, the config, the start time), before the model is built:
+    a run killed while building or warming up still leaves its folder, which the Serving page lists as unfinished;
+    an exception marks it failed, and close() finished."""
+    with ServeRunWriter(run_dir) as writer:
+        writer.start(config=config_dict(p.cfg))
+        return _serve_into(p, writer=writer, sweep_id=sweep_id)
+
+
+def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
+    """run()'s work inside its started writer: the model, the pool, the stream served, the rows and the run row."""
     cfg, device = p.cfg, torch.device(p.device)
     args = p.workload.model_args()
     model = build_model(args, weights=cfg.weights, dtype=DTYPES[cfg.dtype], device=device, seed=cfg.seed,
@@ -215,47 +226,46 @@ def run(p: Plan, *, run_dir: Path, sweep_id: str) -> dict:
         warm_up(model, cache, block_size=cfg.block_size, paged=num_slots is None)
     used, steps_ms, scheduler_ms = [], [], []
     bytes_per_token = p.budget_bytes_per_block / cfg.block_size  # a block's K, V and scales over all layers
-    with ServeRunWriter(run_dir) as writer:
 
-        def on_iteration(index, output, step_s, scheduler_s):
-            writer.add_iteration(iteration_row(index, output, step_s, scheduler_s=scheduler_s,
-                                               kv_bytes_per_token=bytes_per_token))  # fmt: skip
-            used.append(output.kv.blocks_used)
-            steps_ms.append(step_s * 1e3)
-            scheduler_ms.append(scheduler_s * 1e3)
+    def on_iteration(index, output, step_s, scheduler_s):
+        writer.add_iteration(iteration_row(index, output, step_s, scheduler_s=scheduler_s,
+                                           kv_bytes_per_token=bytes_per_token))  # fmt: skip
+        used.append(output.kv.blocks_used)
+        steps_ms.append(step_s * 1e3)
+        scheduler_ms.append(scheduler_s * 1e3)
 
-        flushed = [time.monotonic()]
+    flushed = [time.monotonic()]
 
-        def on_finish(record):
-            writer.add_request(request_row(record))
-            if time.monotonic() - flushed[0] >= FLUSH_EVERY_S:  # a run killed midway keeps what finished
-                writer.flush()
-                flushed[0] = time.monotonic()
+    def on_finish(record):
+        writer.add_request(request_row(record))
+        if time.monotonic() - flushed[0] >= FLUSH_EVERY_S:  # a run killed midway keeps what finished
+            writer.flush()
+            flushed[0] = time.monotonic()
 
-        result = serve(p.requests, prompts, scheduler=scheduler, engine=engine, on_iteration=on_iteration,
-                       on_finish=on_finish)  # fmt: skip
-        row = run_metrics(result.records, result.duration_s, percentiles=cfg.percentiles,
-                          ttft_slo_ms=cfg.ttft_slo_ms, tpot_slo_ms=cfg.tpot_slo_ms)  # fmt: skip
-        row |= {
-            "sweep_id": sweep_id,
-            "engine": "kvbench",
-            "strategy": cfg.strategy,
-            "kv_dtype": p.kv_dtype,
-            "model": args.name,
-            "device": p.device,
-            # a trace's offered rate: its requests over its last arrival (inf when all arrive at 0)
-            "qps": float(cfg.qps) if cfg.trace is None else describe(p.requests)["offered_qps"],
-            "num_blocks": p.num_blocks,
-            "block_size": cfg.block_size,
-            "kv_budget_bytes": p.budget.kv_bytes,
-            "num_iterations": result.num_iterations,
-            "predicted_max_running": p.predicted_max_running,
-            "mean_kv_utilization": sum(used) / len(used) / p.num_blocks,
-            "peak_kv_utilization": max(used) / p.num_blocks,
-            "mean_step_ms": sum(steps_ms) / len(steps_ms),
-            "mean_scheduler_ms": sum(scheduler_ms) / len(scheduler_ms),
-        }
-        writer.close(row, config=config_dict(cfg))
+    result = serve(p.requests, prompts, scheduler=scheduler, engine=engine, on_iteration=on_iteration,
+                   on_finish=on_finish)  # fmt: skip
+    row = run_metrics(result.records, result.duration_s, percentiles=cfg.percentiles,
+                      ttft_slo_ms=cfg.ttft_slo_ms, tpot_slo_ms=cfg.tpot_slo_ms)  # fmt: skip
+    row |= {
+        "sweep_id": sweep_id,
+        "engine": "kvbench",
+        "strategy": cfg.strategy,
+        "kv_dtype": p.kv_dtype,
+        "model": args.name,
+        "device": p.device,
+        # a trace's offered rate: its requests over its last arrival (inf when all arrive at 0)
+        "qps": float(cfg.qps) if cfg.trace is None else describe(p.requests)["offered_qps"],
+        "num_blocks": p.num_blocks,
+        "block_size": cfg.block_size,
+        "kv_budget_bytes": p.budget.kv_bytes,
+        "num_iterations": result.num_iterations,
+        "predicted_max_running": p.predicted_max_running,
+        "mean_kv_utilization": sum(used) / len(used) / p.num_blocks,
+        "peak_kv_utilization": max(used) / p.num_blocks,
+        "mean_step_ms": sum(steps_ms) / len(steps_ms),
+        "mean_scheduler_ms": sum(scheduler_ms) / len(scheduler_ms),
+    }
+    writer.close(row, config=config_dict(cfg))
     return row
 
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from streamlit.testing.v1 import AppTest
 
 from dashboard import data, serve_data, sidebar
-from harness.serve.rows import serve_run_dir
+from harness.serve.rows import FINISHED, RUNNING, ServeRunWriter, serve_run_dir
+from harness.store import disk
 from tests.serve_runs import NUM_PROMPTS, QPS, STRATEGIES, TTFT_SLO_MS, write_run, write_sweep
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
@@ -81,6 +83,32 @@ def test_an_unreadable_run_row_is_skipped_naming_its_folder_and_the_rest_load(tm
     assert len(skipped) == 1 and skipped[0].startswith(f"{broken.resolve()}: ")
 
 
+def test_a_run_killed_before_its_first_part_is_listed_as_running_from_its_manifest(tmp_path):
+    write_run(tmp_path, run_id="done")
+    ServeRunWriter(serve_run_dir(tmp_path, "early")).start(config={"strategy": "paged"})  # killed in the model build
+    runs, skipped = serve_data.load_runs((str(tmp_path),))
+    assert skipped == [] and runs["run_id"].tolist() == ["done", "early"]
+    early = runs.set_index("run_id").loc["early"]
+    assert not early[serve_data.FINISHED] and early[serve_data.STATUS] == RUNNING
+    assert early[serve_data.REQUESTS_WRITTEN] == 0 and early[serve_data.STARTED_AT]
+    assert runs.set_index("run_id").loc["done", serve_data.STATUS] == FINISHED
+    assert serve_data.load_requests([early[serve_data.RUN_DIR]]).empty
+    assert serve_data.load_iterations(early[serve_data.RUN_DIR]).empty
+
+
+def test_an_unreadable_part_is_named_and_the_rest_of_its_run_still_shows(tmp_path):
+    run_dir = write_run(tmp_path, run_id="done")
+    bad = run_dir / "requests-00001.parquet"
+    lost = pq.ParquetFile(bad).metadata.num_rows
+    bad.write_bytes(bad.read_bytes()[:40])  # truncated: no footer
+    runs, skipped = serve_data.load_runs((str(tmp_path),))
+    assert runs["run_id"].tolist() == ["done"] and runs.loc[0, serve_data.FINISHED]
+    assert [line.partition(": ")[0] for line in skipped] == [str(bad.resolve())]
+    assert runs.loc[0, serve_data.REQUESTS_WRITTEN] == NUM_PROMPTS - lost
+    assert len(serve_data.load_requests([runs.loc[0, serve_data.RUN_DIR]])) == NUM_PROMPTS - lost
+    assert len(serve_data.load_iterations(runs.loc[0, serve_data.RUN_DIR])) > 0
+
+
 def test_a_folder_without_serving_runs_has_none(tmp_path):
     (tmp_path / "serve" / "empty").mkdir(parents=True)  # a folder made, nothing written yet
     runs, skipped = serve_data.load_runs((str(tmp_path), str(tmp_path / "absent")))
@@ -119,7 +147,39 @@ def test_with_only_a_killed_run_the_page_draws_its_requests_and_says_what_needs_
     assert any("No finished run" in str(info.value) for info in at.info)
 
 
+def test_a_run_with_only_its_manifest_and_one_with_a_bad_part_are_listed_and_the_part_is_named(monkeypatch, tmp_path):
+    ServeRunWriter(serve_run_dir(tmp_path, "early")).start(config={"strategy": "paged"})
+    bad = write_run(tmp_path, run_id="done") / "iterations-00000.parquet"
+    bad.write_bytes(b"not a parquet file")
+    at = serving_page(monkeypatch, tmp_path)
+    table = at.dataframe[0].value.set_index("run_id")
+    assert table.loc["early", serve_data.STATUS] == RUNNING and table.loc["done", serve_data.STATUS] == FINISHED
+    warning = "\n".join(str(w.value) for w in at.warning)
+    assert "Skipped 1 unreadable serving file(s)" in warning and str(bad.resolve()) in warning
+    assert any("early (running)" in str(caption.value) for caption in at.caption)
+
+
 def test_serving_parts_are_not_reported_as_unreadable_point_rows(tmp_path):
     write_run(tmp_path, run_id="done")
     _, skipped = data.load_rows((str(tmp_path),))
     assert skipped == []
+
+
+def test_in_a_results_folder_holding_the_reference_only_a_truly_unreadable_point_file_is_named(tmp_path, monkeypatch):
+    # The default sidebar reads results/ (which holds reference/) and results/reference/: results/ is then walked
+    # folder by folder, and serve/ is read as a folder of its own (issue #27 item 7: 48 parts were named).
+    results = tmp_path / "results"
+    monkeypatch.setattr(data, "REFERENCE_DIR", results / "reference")
+    write_run(results, run_id="done")
+    write_run(results / "reference", run_id="committed")
+    point = disk.write_point({"point_id": "p0", "sweep_id": "s1", "status": "ok"}, results / "s1")
+    sources = (str(results), str(results / "reference"))
+    rows, skipped = data.load_rows(sources)
+    assert skipped == [] and rows["point_id"].tolist() == ["p0"]
+
+    whole = point.read_bytes()
+    truncated = results / "s1" / "truncated.parquet"
+    truncated.write_bytes(whole[: len(whole) // 2])
+    rows, skipped = data.load_rows(sources)
+    assert [line.partition(": ")[0] for line in skipped] == [str(truncated)]
+    assert rows["point_id"].tolist() == ["p0"]

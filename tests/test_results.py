@@ -232,6 +232,17 @@ def test_load_ignores_capacity_frontier_tables_silently(tmp_path):
     assert skipped == []
 
 
+def test_load_of_a_serving_folder_or_run_reads_no_rows_and_skips_nothing(tmp_path):
+    # kvbench-results pointed at <results>/serve or one run in it: its parts are serving tables, not point rows.
+    run = tmp_path / disk.SERVE_DIR / "run-1"
+    run.mkdir(parents=True)
+    for name in ("requests-00000.parquet", "iterations-00000.parquet", "run.parquet"):
+        pd.DataFrame({"run_id": ["run-1"]}).to_parquet(run / name)
+    for folder in (tmp_path / disk.SERVE_DIR, run):
+        skipped: list[str] = []
+        assert load(folder, skipped=skipped).empty and skipped == []
+
+
 def test_load_of_one_corrupt_file_given_by_name_raises_naming_it(tmp_path):
     (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
 

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from experiments import serve as app
 from harness.errors import ConfigError
 from harness.serve import capacity
-from harness.serve.rows import load_run, serve_run_dir
+from harness.serve.rows import FAILED, FINISHED, RUNNING, load_run, read_manifest, serve_run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny", "max_model_len=256", "block_size=16", "dtype=fp32"]
@@ -88,6 +88,24 @@ def test_a_trace_run_records_the_traces_offered_rate(tmp_path):
     assert load_run(serve_run_dir(tmp_path, "trace"))[2]["qps"] == pytest.approx(12.5)
 
 
+def test_the_manifest_says_running_before_the_model_is_built_and_failed_when_the_build_dies(tmp_path, monkeypatch):
+    run_dir = serve_run_dir(tmp_path, "early")
+    seen = {}
+
+    def build_model(*args, **kwargs):  # the first minute of a run: the manifest must already be on disk
+        seen.update(read_manifest(run_dir))
+        raise MemoryError("no room for the weights")
+
+    monkeypatch.setattr(app, "build_model", build_model)
+    p = app.plan(config(*TINY, "kv_memory_gb=0.002", "num_prompts=4", "prompt_len=24", "output_len=4"))
+    with pytest.raises(MemoryError):
+        app.run(p, run_dir=run_dir, sweep_id="s")
+    assert seen["status"] == RUNNING and seen["config"]["num_prompts"] == 4 and seen["started_at"]
+    manifest = read_manifest(run_dir)
+    assert manifest["status"] == FAILED and manifest["error"] == "MemoryError: no room for the weights"
+    assert manifest["started_at"] == seen["started_at"]
+
+
 def test_bad_input_from_the_command_line_is_one_line_and_writes_nothing(tmp_path):
     result = cli(tmp_path, *TINY, "kv_memory_gb=0.01", "tpot_slo_ms=fast")
     assert result.returncode == 2
@@ -126,6 +144,8 @@ def test_a_run_writes_its_requests_iterations_and_run_row(tmp_path):
     assert run["completed"] == 12 and run["engine"] == "kvbench" and run["strategy"] == "paged"
     assert run["predicted_max_running"] >= 1 and run["ttft_slo_ms"] == 10_000
     assert json.loads(run["config_json"])["num_prompts"] == 12
+    manifest = read_manifest(serve_run_dir(tmp_path, "one"))
+    assert manifest["status"] == FINISHED and manifest["config"]["num_prompts"] == 12
     # The same run_id again: refused before the model is built, the first run untouched.
     again = cli(tmp_path, *TINY, *stream)
     assert again.returncode == 2 and "run_id:" in again.stderr

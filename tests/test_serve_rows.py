@@ -6,6 +6,7 @@ small scheduler.simulate run. Values round-trip exactly: float64 and int64 go to
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 
 import pandas as pd
@@ -16,7 +17,17 @@ from harness.errors import ConfigError
 from harness.serve.kv_manager import make_kv_manager
 from harness.serve.metrics import RequestRecord, request_row, run_metrics
 from harness.serve.requests import Request
-from harness.serve.rows import ServeRunWriter, iteration_row, load_run, serve_run_dir
+from harness.serve.rows import (
+    FAILED,
+    FINISHED,
+    MANIFEST_FILE,
+    RUNNING,
+    ServeRunWriter,
+    iteration_row,
+    load_run,
+    read_manifest,
+    serve_run_dir,
+)
 from harness.serve.scheduler import Scheduler, SchedulerConfig, simulate
 
 CONFIG = {"strategy": "paged", "qps": 4.0, "kv_memory_gb": 0.5}
@@ -187,3 +198,67 @@ def test_a_part_written_before_a_nullable_column_existed_loads_it_as_null(run_di
     pq.write_table(pq.read_table(part).drop_columns(["kv_live_tokens"]), part)  # a required column: not a part
     with pytest.raises(ValueError, match="not a iterations part"):
         load_run(run_dir)
+
+
+# ------------------------------------------------------------------------------------------------------- manifest
+
+
+def test_start_writes_a_manifest_running_with_the_config_and_start_time_before_any_part(run_dir):
+    ServeRunWriter(run_dir).start(config=CONFIG)  # then killed: no part, no close, no __exit__
+    manifest = read_manifest(run_dir)
+    assert manifest["status"] == RUNNING and manifest["config"] == CONFIG and manifest["run_id"] == "run-1"
+    started = dt.datetime.fromisoformat(manifest["started_at"])
+    assert started.tzinfo is not None and abs(dt.datetime.now(dt.timezone.utc) - started) < dt.timedelta(minutes=1)
+    assert manifest["ended_at"] is None and manifest["error"] is None
+    assert sorted(path.name for path in run_dir.iterdir()) == [MANIFEST_FILE]  # no temp file left behind
+    requests_df, iterations_df, run_row = load_run(run_dir)
+    assert requests_df.empty and iterations_df.empty and run_row is None
+
+
+def test_close_marks_the_manifest_finished_and_keeps_its_start_time(run_dir):
+    with ServeRunWriter(run_dir) as writer:
+        writer.start(config=CONFIG)
+        started_at = read_manifest(run_dir)["started_at"]
+        writer.add_request(request_row(records(1)[0]))
+        writer.close({**run_metrics(records(1), duration_s=1.0), **CONTEXT}, config=CONFIG)
+    manifest = read_manifest(run_dir)
+    assert manifest["status"] == FINISHED and manifest["started_at"] == started_at and manifest["ended_at"]
+    assert manifest["config"] == CONFIG and manifest["error"] is None
+
+
+def test_an_exception_in_the_block_marks_the_manifest_failed_naming_it(run_dir):
+    with pytest.raises(RuntimeError, match="engine died"), ServeRunWriter(run_dir) as writer:
+        writer.start(config=CONFIG)
+        raise RuntimeError("engine died")
+    manifest = read_manifest(run_dir)
+    assert manifest["status"] == FAILED and manifest["error"] == "RuntimeError: engine died"
+    assert manifest["config"] == CONFIG and manifest["ended_at"]
+
+
+def test_a_folder_holding_only_the_manifest_of_a_run_killed_at_its_start_is_refused(run_dir):
+    ServeRunWriter(run_dir).start(config=CONFIG)
+    with pytest.raises(ConfigError, match="run_id: .* already holds a serving run"):
+        ServeRunWriter(run_dir)
+
+
+def test_a_run_without_a_manifest_reads_as_none_and_a_garbled_one_is_named(run_dir):
+    with ServeRunWriter(run_dir) as writer:  # written before manifests, as the committed reference runs were
+        writer.add_request(request_row(records(1)[0]))
+    assert read_manifest(run_dir) is None
+    (run_dir / MANIFEST_FILE).write_text("{not json")
+    with pytest.raises(ValueError, match=f"{MANIFEST_FILE}: not a readable manifest"):
+        read_manifest(run_dir)
+
+
+def test_with_a_skipped_list_an_unreadable_part_is_named_and_every_other_part_loads(run_dir):
+    with ServeRunWriter(run_dir, flush_every=1) as writer:
+        for record in records(3):
+            writer.add_request(request_row(record))
+    bad = run_dir / "requests-00001.parquet"
+    bad.write_bytes(bad.read_bytes()[:40])  # truncated: no footer
+    with pytest.raises(ValueError, match="requests-00001.parquet: not a requests part"):
+        load_run(run_dir)
+    skipped: list[str] = []
+    requests_df, _, _ = load_run(run_dir, skipped=skipped)
+    assert requests_df["request_id"].tolist() == ["r0", "r2"]
+    assert [line.partition(": ")[0] for line in skipped] == [str(bad)]

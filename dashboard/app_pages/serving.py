@@ -27,7 +27,7 @@ NO_RUNS_HELP = (
 MAX_CDF_RUNS = 12  # default curves per CDF: a qps sweep of 5 strategies × 8 rates would draw 40
 TABLE_COLUMNS = [
     "run_id", "sweep_id", "engine", "strategy", "kv_dtype", "model", "device", "qps", serve_data.FINISHED,
-    serve_data.REQUESTS_WRITTEN, "completed", "duration_s", "request_throughput", "output_throughput",
+    serve_data.STATUS, serve_data.STARTED_AT, serve_data.REQUESTS_WRITTEN, "completed", "duration_s", "request_throughput", "output_throughput",
     "request_goodput", "ttft_slo_ms", "p99_ttft_ms", "p99_tpot_ms", "max_concurrent_requests", "predicted_max_running",
     "total_preemptions", "peak_kv_utilization", serve_data.SOURCE,
 ]  # fmt: skip
@@ -35,7 +35,8 @@ TABLE_COLUMNS = [
 st.title("Serving")
 runs, skipped = serve_data.load_runs(current().sources)
 if skipped:
-    st.warning(f"Skipped {len(skipped)} unreadable serving run(s):\n" + "\n".join(map(skipped_item, skipped)))
+    # A bad part leaves the rest of its run shown; a bad run.parquet (named by its folder) leaves the run out.
+    st.warning(f"Skipped {len(skipped)} unreadable serving file(s):\n" + "\n".join(map(skipped_item, skipped)))
 if runs.empty:
     st.info(NO_RUNS_HELP)
     st.stop()
@@ -45,9 +46,10 @@ labels = dict(zip(runs[serve_data.RUN_DIR], runs["label"], strict=True))
 st.dataframe(runs[[column for column in TABLE_COLUMNS if column in runs.columns]], hide_index=True)
 unfinished = runs[~runs[serve_data.FINISHED].astype(bool)]
 if len(unfinished):
+    named = (unfinished["run_id"] + " (" + unfinished[serve_data.STATUS].astype(str) + ")").tolist()
     st.caption(
-        f"{len(unfinished)} unfinished run(s), with no run.parquet (still running, or killed): "
-        f"{', '.join(unfinished['run_id'])}. Their finished requests are in the CDFs; they have no run figures."
+        f"{len(unfinished)} unfinished run(s), with no run.parquet (running: still running, or killed; failed: its "
+        f"manifest says why): {', '.join(named)}. Their finished requests are in the CDFs; they have no run figures."
     )
 
 finished = runs[runs[serve_data.FINISHED].astype(bool)]

@@ -1,10 +1,12 @@
 """How a serving run's three tables reach disk: request rows, iteration rows and the run row, in one run folder.
 
-`<results_dir>/serve/<run_id>/` holds numbered part files (requests-00000.parquet, iterations-00000.parquet, ...)
-flushed as the run goes, and run.parquet, written last by close(). Every file goes through the one atomic writer
-(harness.store.disk.write_parquet), so a run killed midway leaves whole parts and never half of one: its finished
-requests load, with no run row. Rows buffered since the last flush die with a SIGKILL; an exception (Ctrl-C
-included) inside `with ServeRunWriter(...)` flushes them first.
+`<results_dir>/serve/<run_id>/` holds manifest.json, written by start() before anything heavy (status `running`,
+the config, the start time), numbered part files (requests-00000.parquet, iterations-00000.parquet, ...) flushed
+as the run goes, and run.parquet, written last by close(), which then marks the manifest `finished`. Every file
+goes through the one atomic writer (harness.store.atomic), so a run killed midway leaves whole parts and never half
+of one: its finished requests load, with no run row; a run killed before its first part (in the model's build, say)
+leaves its manifest, still `running`. Rows buffered since the last flush die with a SIGKILL; an exception (Ctrl-C
+included) inside `with ServeRunWriter(...)` flushes them first and marks the manifest `failed`, naming it.
 
 Every part is built against an explicit schema (below), so all parts of a table have one set of types whatever
 values a part happened to hold (a part of one-token outputs has tpot_ms all null, still float64).
@@ -12,7 +14,9 @@ values a part happened to hold (a part of one-token outputs has tpot_ms all null
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import logging
 import math
 import re
 from collections.abc import Mapping
@@ -26,11 +30,16 @@ from harness.errors import ConfigError
 from harness.serve.metrics import LATENCY_METRICS
 from harness.serve.scheduler import SchedulerOutput
 from harness.store import disk
+from harness.store.atomic import atomic_write
 from harness.store.disk import write_parquet
 
+log = logging.getLogger(__name__)
+
 SERVE_DIR = disk.SERVE_DIR  # <results_dir>/serve/<run_id>/
-RUN_FILE = "run.parquet"
-TABLES = ("requests", "iterations")
+RUN_FILE = disk.SERVE_RUN_FILE  # run.parquet
+TABLES = disk.SERVE_TABLES  # requests, iterations: the numbered parts' names (the point-row reader skips them)
+MANIFEST_FILE = "manifest.json"  # run_id, status, started_at, ended_at, error, config
+RUNNING, FINISHED, FAILED = "running", "finished", "failed"  # a manifest's status; a killed run stays RUNNING
 _RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")  # a folder name, safe everywhere and never hidden
 _PERCENTILE_COLUMN = re.compile(rf"p\d+(\.\d+)?_({'|'.join(LATENCY_METRICS)})_ms")  # run_metrics' p<P>_<m>_ms
 
@@ -188,14 +197,37 @@ class ServeRunWriter:
             raise ConfigError(f"flush_every: must be an integer >= 1 rows, got {flush_every!r}")
         self.run_dir, self.flush_every = Path(run_dir), flush_every
         self.run_id = self.run_dir.name
-        # Refuse to mix two runs in one folder: new parts would interleave with (or overwrite) the old ones.
+        # Refuse to mix two runs in one folder: new parts would interleave with (or overwrite) the old ones, and a
+        # new manifest would erase the record of a run killed before its first part.
         if self.run_dir.is_dir() and (
-            any(_parts(self.run_dir, t) for t in TABLES) or (self.run_dir / RUN_FILE).exists()
+            any(part_files(self.run_dir, t) for t in TABLES)
+            or (self.run_dir / RUN_FILE).exists()
+            or (self.run_dir / MANIFEST_FILE).exists()
         ):
             raise ConfigError(f"run_id: {self.run_dir} already holds a serving run; choose a new run_id")
         self.buffers: dict[str, list[dict]] = {table: [] for table in TABLES}
         self.next_part = dict.fromkeys(TABLES, 0)
         self.closed = False
+        self.started_at, self.config = _utc_now(), {}  # start() sets both; a writer never started keeps these
+
+    def start(self, *, config: Mapping) -> Path:
+        """The manifest, status running, with the config and the start time: called before the model is built, so
+        that a run killed in its first minute still leaves a folder that says what it was and that it never
+        finished. Nothing else is written until the first flush."""
+        self.started_at, self.config = _utc_now(), dict(config)
+        return self._write_manifest(status=RUNNING)
+
+    def _write_manifest(self, *, status: str, error: str | None = None) -> Path:
+        manifest = {
+            "run_id": self.run_id,
+            "status": status,
+            "started_at": self.started_at,  # ISO-8601 UTC
+            "ended_at": None if status == RUNNING else _utc_now(),
+            "error": error,
+            "config": self.config,
+        }
+        text = json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n"
+        return atomic_write(self.run_dir / MANIFEST_FILE, lambda f: f.write(text.encode()))
 
     def add_request(self, row: Mapping) -> None:
         self._add("requests", row)
@@ -227,14 +259,15 @@ class ServeRunWriter:
 
     def close(self, run_row: Mapping, *, config: Mapping) -> Path:
         """Flush the rest, then write run.parquet (run_metrics' row, the config as JSON): its presence marks a run
-        that finished."""
+        that finished; then the manifest says so too (status finished, with the same config)."""
         schema = run_schema(run_row)
         row = {**run_row, "config_json": json.dumps(dict(config), sort_keys=True)}
         _check_columns(row, schema, "run row")
         self.flush()
         path = self.run_dir / RUN_FILE
         write_parquet(table=_table([{**row, "run_id": self.run_id}], schema), path=path)
-        self.closed = True
+        self.closed, self.config = True, dict(config)
+        self._write_manifest(status=FINISHED)
         return path
 
     def __enter__(self) -> ServeRunWriter:
@@ -242,15 +275,54 @@ class ServeRunWriter:
 
     def __exit__(self, exc_type, exc, traceback) -> None:
         # Whatever ended the block, the finished rows are kept; only close() writes a run row.
-        if not self.closed:
+        if self.closed:
+            return
+        try:
             self.flush()
+        finally:
+            if exc_type is not None:
+                try:
+                    self._write_manifest(status=FAILED, error=f"{exc_type.__name__}: {exc}")
+                except OSError as write_error:  # a full disk: the exception that ended the run is the one to see
+                    log.warning("%s: could not mark the run failed: %s", self.run_dir, write_error)
 
 
-def _parts(run_dir: Path, table: str) -> list[Path]:
+def _utc_now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def read_manifest(run_dir: str | Path) -> dict | None:
+    """A run's manifest.json (ServeRunWriter._write_manifest's keys), or None for a run written without one (before
+    manifests, or a producer that never called start() and never closed); ValueError naming the file when it is not
+    a manifest."""
+    path = Path(run_dir) / MANIFEST_FILE
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:  # json's JSONDecodeError and a non-UTF-8 file are ValueErrors
+        raise ValueError(f"{path}: not a readable manifest: {exc}") from None
+    if not isinstance(manifest, dict) or "status" not in manifest:
+        raise ValueError(f"{path}: not a manifest (no status)")
+    return manifest
+
+
+def part_files(run_dir: Path, table: str) -> list[Path]:
     """A table's part files in part order; hidden files (the atomic writer's temps) never match."""
     pattern = re.compile(rf"{table}-(\d+)\.parquet")
-    numbered = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := pattern.fullmatch(p.name))]
+    numbered = [(int(m.group(1)), p) for p in Path(run_dir).iterdir() if (m := pattern.fullmatch(p.name))]
     return [path for _, path in sorted(numbered)]
+
+
+def part_rows(path: Path, table: str) -> int:
+    """A part's row count, from its footer alone (no rows read); ValueError naming the part when it is truncated,
+    not parquet, or not in `table`'s schema (load_run would refuse it)."""
+    try:
+        with pq.ParquetFile(path) as parquet:
+            _conform(parquet.schema_arrow.empty_table(), SCHEMAS[table])
+            return parquet.metadata.num_rows
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"{path}: not a {table} part: {exc}") from None
 
 
 def _frame(tables: list[pa.Table], schema: pa.Schema) -> pd.DataFrame:
@@ -270,19 +342,27 @@ def _conform(part: pa.Table, schema: pa.Schema) -> pa.Table:
     return part.select(schema.names).cast(schema)
 
 
-def load_run(run_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict | None]:
-    """(requests, iterations, run row): the parts concatenated in order; run row None for a run that never closed."""
+def load_run(
+    run_dir: str | Path, *, skipped: list[str] | None = None
+) -> tuple[pd.DataFrame, pd.DataFrame, dict | None]:
+    """(requests, iterations, run row): the parts concatenated in order; run row None for a run that never closed.
+
+    A part that cannot be read raises ValueError naming it; with a `skipped` list it is left out instead, its
+    "<path>: <reason>" appended, and every other part still loads (one bad file never hides a run)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: no serving run folder")
     frames = []
     for table in TABLES:
         parts = []
-        for path in _parts(run_dir, table):
+        for path in part_files(run_dir, table):
             try:
                 parts.append(_conform(pq.read_table(path), SCHEMAS[table]))
             except (pa.ArrowInvalid, OSError, ValueError, KeyError) as exc:
-                raise ValueError(f"{path}: not a {table} part: {exc}") from None
+                if skipped is None:
+                    raise ValueError(f"{path}: not a {table} part: {exc}") from None
+                log.warning("skipped %s: not a %s part: %s", path, table, exc)
+                skipped.append(f"{path}: not a {table} part: {exc}")
         frames.append(_frame(parts, SCHEMAS[table]))
     run_path = run_dir / RUN_FILE
     run_row = pq.read_table(run_path).to_pylist()[0] if run_path.exists() else None

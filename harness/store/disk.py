@@ -31,6 +31,8 @@ _POINT_ID_PATTERN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 FRONTIER_PREFIX = "frontier-"  # capacity OOM-frontier tables: <results_dir>/capacity/frontier-<time>.parquet
 FLEET_PREFIX = "fleet-"  # capacity fleet tables: <results_dir>/capacity/fleet-<time>.parquet (harness.serve.fleet)
 SERVE_DIR = "serve"  # serving runs' tables: <results_dir>/serve/<run_id>/ (harness.serve.rows reads them)
+SERVE_TABLES, SERVE_RUN_FILE = ("requests", "iterations"), "run.parquet"  # <table>-<part>.parquet parts, run row
+_SERVE_FILE = re.compile(rf"({'|'.join(SERVE_TABLES)})-\d+\.parquet|{re.escape(SERVE_RUN_FILE)}")
 IDENTITY_COLUMNS = ("point_id", "status")  # a parquet file without them is not a result row
 MEASUREMENT_KEY = ("point_id", "sweep_id", "started_at")  # one measurement; load() keeps one row per key
 REFERENCE_DIR = "reference"  # <results_dir>/reference: committed runs, left alone by compact (and by resume)
@@ -203,8 +205,7 @@ def drop_repeats(table: pa.Table) -> pa.Table:
 
 
 def parquet_files(path: Path) -> list[Path]:
-    """The row files under `path` (or `path` itself): not hidden, not profiler, frontier, fleet, tier-bandwidth or
-    PD-transfer tables, not a serving run's tables."""
+    """The row files under `path` (or `path` itself): is_row_file's."""
     if path.is_file():
         if path.suffix != ".parquet":
             raise ValueError(f"{path} is not a .parquet file or a directory of them")
@@ -214,17 +215,31 @@ def parquet_files(path: Path) -> list[Path]:
             raise FileNotFoundError(path)
         logger.info("%s does not exist: no results", path)
         return []
-    # Skip hidden files and folders: the atomic writer's temp files, editor and notebook leftovers.
-    return sorted(
-        file
-        for file in path.rglob("*.parquet")
-        if file.is_file()
+    return sorted(file for file in path.rglob("*.parquet") if file.is_file() and is_row_file(file, root=path))
+
+
+def is_row_file(file: Path, *, root: Path) -> bool:
+    """A .parquet file under `root` that may be a point row: not hidden, not a profiler, frontier, fleet,
+    tier-bandwidth or PD-transfer table, not a serving run's table. Each is told by its name, as its writer names it;
+    anything else that fails to read as a row is reported, never silently dropped."""
+    relative = file.relative_to(root).parts
+    return (
+        file.name.endswith(".parquet")
+        # Hidden files and folders: the atomic writer's temp files, editor and notebook leftovers.
+        and not any(part.startswith(".") for part in relative)
         and not file.name.endswith(OPS_SUFFIX)  # profiler tables: load_ops()
         and not file.name.startswith((FRONTIER_PREFIX, FLEET_PREFIX))  # capacity tables: write_frontier(), fleet
         and not file.name.startswith((TIER_PREFIX, PD_PREFIX))  # KV movement tables: harness.store.tables
-        and not any(part.startswith(".") for part in file.relative_to(path).parts)
-        and SERVE_DIR not in file.relative_to(path).parts[:-1]
+        and SERVE_DIR not in relative[:-1]  # anything in <root>/.../serve/
+        and not is_serve_file(file)  # a run's own files, though `root` is serve/ or the run's folder itself
     )
+
+
+def is_serve_file(file: Path) -> bool:
+    """One of a serving run's own files, <...>/serve/<run_id>/<requests|iterations>-<part>.parquet or run.parquet:
+    told by its name and its folder's place, so that a point row of a results folder that happens to be called
+    serve/ is still a row."""
+    return file.parent.parent.name == SERVE_DIR and _SERVE_FILE.fullmatch(file.name) is not None
 
 
 def read_rows(path: Path) -> pa.Table:
