@@ -54,8 +54,8 @@ def test_an_integer_figure_stays_integer_beside_an_unfinished_runs_null(tmp_path
     write_run(tmp_path, run_id="done")
     write_run(tmp_path, run_id="killed", finished=False)
     runs, _ = serve_data.load_runs((str(tmp_path),))
-    concurrency = runs["max_concurrent_requests"]
-    assert str(concurrency.dtype) == "Int64" and concurrency.isna().tolist() == [False, True]
+    for column in ("max_concurrent_requests", "max_running_requests"):
+        assert str(runs[column].dtype) == "Int64" and runs[column].isna().tolist() == [False, True]
 
 
 def test_a_run_written_after_the_first_load_is_found_on_the_next(tmp_path):

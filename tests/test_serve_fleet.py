@@ -107,7 +107,8 @@ def test_the_knee_is_the_highest_qps_under_the_slo_per_strategy(runs):
 def test_the_knee_carries_its_own_runs_figures(runs):
     knee_run = runs[(runs["strategy"] == "paged") & (runs["qps"] == 16.0)].iloc[0]
     paged = by_strategy(fleet.knees(runs, SLO))["paged"]
-    for name in ("p99_ttft_ms", "request_throughput", "output_throughput", "mean_e2el_ms", "max_concurrent_requests"):
+    for name in ("p99_ttft_ms", "request_throughput", "output_throughput", "mean_e2el_ms", "max_concurrent_requests",
+                 "max_running_requests"):  # fmt: skip
         assert paged[f"knee_{name}"] == knee_run[name]
     assert paged["knee_p99_ttft_ms"] <= 50.0
 
@@ -124,8 +125,10 @@ def test_predicted_concurrency_is_littles_law_at_the_target_beside_the_measured_
     paged = by_strategy(fleet.fleet(runs, target_qps=100.0, ttft_slo_ms=SLO))["paged"]
     assert paged["predicted_concurrency"] == pytest.approx(100.0 * paged["knee_mean_e2el_ms"] / 1000.0)
     assert paged["predicted_concurrency_per_replica"] == pytest.approx(paged["predicted_concurrency"] / 7)
-    # A replica carries 100/7 = 14.3 req/s, below the knee's 16: its mean in flight stays below the knee run's peak.
+    # A replica carries 100/7 = 14.3 req/s, below the knee's 16: its mean in flight stays below the knee run's peak
+    # in flight (both count queueing), which is at least its peak running.
     assert paged["predicted_concurrency_per_replica"] <= paged["knee_max_concurrent_requests"]
+    assert paged["knee_max_concurrent_requests"] >= paged["knee_max_running_requests"]
 
 
 def test_a_curve_over_the_slo_at_its_lowest_qps_has_no_knee_and_no_replica_count(runs):
@@ -227,8 +230,9 @@ def test_the_fleet_mode_prints_the_table_and_writes_it(sweep_dir):
     groups, header = proc.stdout.splitlines()[2:4]  # the knee and replicas measured, the concurrency predicted
     assert groups.split() == ["measured", "predicted"]
     assert (
-        header.index("replicas") < header.index("max running") < groups.index("predicted") < header.index("in flight")
-    )
+        header.index("replicas") < header.index("max running") < header.index("max in flight")
+        < groups.index("predicted") < header.rindex("in flight")
+    )  # fmt: skip
     written = Path(proc.stdout.strip().splitlines()[-1].removeprefix("written: "))
     assert written.parent == sweep_dir / "capacity" and written.name.startswith("fleet-")
     table = by_strategy(pd.read_parquet(written))

@@ -86,7 +86,8 @@ RUN_FIELDS += [_required(name, F64) for name in ("request_throughput", "request_
 RUN_FIELDS += [pa.field(f"{name}_slo_ms", F64) for name in ("ttft", "tpot", "e2el")]  # null: no SLO
 RUN_FIELDS += [_required(name, F64) for name in ("output_throughput", "total_token_throughput")]  # tok/s
 RUN_FIELDS += [pa.field(f"{s}_{m}_ms", F64) for m in LATENCY_METRICS for s in ("mean", "median", "std")]
-RUN_FIELDS += [_required("max_concurrent_requests", I64), _required("total_preemptions", I64)]
+RUN_FIELDS += [_required(name, I64) for name in ("max_concurrent_requests", "max_running_requests")]
+RUN_FIELDS += [_required("total_preemptions", I64)]
 RUN_FIELDS += [_required("prefix_hit_rate", F64)]
 # What the run was, so that runs compare without parsing config_json: the sweep it belongs to (the runs of one
 # `-m` sweep, e.g. experiment=serve-qps, share it; a single run is its own), the engine ("kvbench", or the peer
