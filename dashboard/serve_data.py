@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import streamlit as st
 
 from dashboard.data import Fingerprint, source_label
-from harness.serve.rows import RUN_FILE, SCHEMAS, SERVE_DIR, TABLES, load_run
+from harness.serve.rows import RUN_FILE, SCHEMAS, SERVE_DIR, TABLES, load_run, read_run_table
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def _run_row(folder: Path) -> pd.DataFrame:
     requests_written = sum(pq.ParquetFile(path).metadata.num_rows for path in folder.glob("requests-*.parquet"))
     run_path = folder / RUN_FILE
     if run_path.exists():
-        row = pq.read_table(run_path).to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get)
+        row = read_run_table(run_path).to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get)
     else:
         row = pd.DataFrame({"run_id": [folder.name]})
     return row.assign(

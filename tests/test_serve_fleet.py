@@ -31,6 +31,7 @@ from harness.serve.metrics import request_row, run_metrics
 from harness.serve.requests import RequestSpec, generate
 from harness.serve.rows import ServeRunWriter, iteration_row, serve_run_dir
 from harness.serve.scheduler import Scheduler, SchedulerConfig, simulate
+from tests.serve_runs import as_written_before_max_running
 
 ROOT = Path(__file__).parents[1]
 QPS = (4.0, 8.0, 16.0, 32.0)
@@ -168,6 +169,15 @@ def test_an_unfinished_run_is_skipped(tmp_path):
     write_run(tmp_path, run_id="killed", sweep_id=NEWER, strategy="paged", qps=16.0, close=False)
     assert any((tmp_path / "serve" / "killed").glob("requests-*.parquet"))
     assert fleet.load_run_rows(tmp_path)["qps"].tolist() == [4.0, 8.0]
+
+
+def test_a_sweep_with_a_run_row_from_before_max_running_requests_still_has_its_knees(tmp_path):
+    write_sweep(tmp_path, NEWER, strategies=("paged",), qps=(4.0, 8.0, 16.0, 32.0))
+    as_written_before_max_running(serve_run_dir(tmp_path, f"{NEWER}-paged-16"))  # the knee run, as the reference's
+    (paged,) = fleet.knees(fleet.load_run_rows(tmp_path), SLO).to_dict("records")
+    assert paged["knee_qps"] == 16.0 and paged["knee_max_running_requests"] >= 1  # its old figure, under its name
+    assert pd.isna(paged["knee_max_concurrent_requests"])  # queueing included: never measured then
+    assert "max in flight" in "\n".join(fleet.summary_lines(fleet.knees(fleet.load_run_rows(tmp_path), SLO)))
 
 
 def test_two_sweeps_on_one_curve_are_refused(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -16,8 +17,9 @@ from harness.errors import ConfigError
 from harness.serve.kv_manager import make_kv_manager
 from harness.serve.metrics import RequestRecord, request_row, run_metrics
 from harness.serve.requests import Request
-from harness.serve.rows import ServeRunWriter, iteration_row, load_run, serve_run_dir
+from harness.serve.rows import RUN_FILE, ServeRunWriter, iteration_row, load_run, read_run_table, serve_run_dir
 from harness.serve.scheduler import Scheduler, SchedulerConfig, simulate
+from tests.serve_runs import as_written_before_max_running
 
 CONFIG = {"strategy": "paged", "qps": 4.0, "kv_memory_gb": 0.5}
 # The run row's context columns (rows.RUN_CONTEXT), as the engine fills them.
@@ -187,3 +189,15 @@ def test_a_part_written_before_a_nullable_column_existed_loads_it_as_null(run_di
     pq.write_table(pq.read_table(part).drop_columns(["kv_live_tokens"]), part)  # a required column: not a part
     with pytest.raises(ValueError, match="not a iterations part"):
         load_run(run_dir)
+
+
+def test_a_run_row_written_before_max_running_requests_loads_its_old_figure_under_that_name(run_dir):
+    run_row = {**run_metrics(records(), duration_s=1.0), **CONTEXT}
+    with ServeRunWriter(run_dir) as writer:
+        writer.close(run_row, config=CONFIG)
+    as_written_before_max_running(run_dir)  # as the committed reference's: max_concurrent_requests counted running
+    assert "max_running_requests" not in pq.read_table(run_dir / RUN_FILE).column_names
+    _, _, loaded = load_run(run_dir)
+    assert loaded["max_running_requests"] == run_row["max_running_requests"]  # what the old column counted
+    assert loaded["max_concurrent_requests"] is None  # queueing included: never measured then
+    assert read_run_table(run_dir / RUN_FILE).schema.field("max_concurrent_requests").type == pa.int64()

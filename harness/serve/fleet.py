@@ -30,11 +30,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from harness.errors import ConfigError
 from harness.serve.metrics import MS_PER_S, SLO_FORMS, knee, parse_slo_ms
-from harness.serve.rows import RUN_FILE, SERVE_DIR
+from harness.serve.rows import RUN_FILE, SERVE_DIR, read_run_table
 from harness.store.disk import FLEET_PREFIX, write_parquet
 
 CURVE_KEY = ("strategy", "kv_dtype", "engine")  # one curve, one knee
@@ -49,7 +48,8 @@ _SWEEP_STAMP = re.compile(r"\d{8}-\d{6}")
 KNEE_STATUSES = ("knee", "not_reached", "below_lowest", "no_points")
 
 _KNEE_RUN_COLUMNS = ("qps", KNEE_METRIC, "request_throughput", "output_throughput", "mean_e2el_ms")
-# What the knee run's row adds to its curve's, as knee_<name>.
+# What the knee run's row adds to its curve's, as knee_<name>. A run row from before max_running_requests loads it
+# from its old column, and its max_concurrent_requests as null (harness.serve.rows.read_run_table).
 _KNEE_RUN_COLUMNS += ("max_concurrent_requests", "max_running_requests")
 
 # The fleet table on disk: one schema whatever a sweep held (a curve without a knee has nulls, still float64).
@@ -95,7 +95,7 @@ def load_run_rows(results_dir: str | Path, sweep_id: str | None = None) -> pd.Da
     frames = []
     for path in paths:
         try:
-            frames.append(pq.read_table(path).to_pandas(types_mapper={I64: pd.Int64Dtype()}.get))
+            frames.append(read_run_table(path).to_pandas(types_mapper={I64: pd.Int64Dtype()}.get))
         except (pa.ArrowInvalid, OSError) as exc:
             raise ValueError(f"{path}: not a run row: {exc}") from None
     rows = pd.concat(frames, ignore_index=True)  # percentile columns a run did not ask for read NaN
@@ -235,7 +235,7 @@ def summary_lines(table: pd.DataFrame) -> list[str]:
         if has_fleet:
             line["measured", "replicas"] = _number(row.replicas)
         line["measured", "max running"] = _number(row.knee_max_running_requests)
-        line["measured", "max in flight"] = _number(row.knee_max_concurrent_requests)
+        line["measured", "max in flight"] = _number(row.knee_max_concurrent_requests)  # null for an old run row
         if has_fleet:
             line["predicted", "per replica"] = _number(row.predicted_concurrency_per_replica, "{:.1f}")
             line["predicted", "in flight"] = _number(row.predicted_concurrency, "{:.1f}")

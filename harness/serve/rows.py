@@ -271,6 +271,20 @@ def _conform(part: pa.Table, schema: pa.Schema) -> pa.Table:
     return part.select(schema.names).cast(schema)
 
 
+def read_run_table(path: str | Path) -> pa.Table:
+    """A run.parquet, in today's run columns. One written before max_running_requests existed (the committed
+    reference's) counted, under max_concurrent_requests, the requests running (first scheduled to finished), which
+    is today's max_running_requests: it loads under that name, and its max_concurrent_requests (queueing included)
+    as null, never measured. The file is not rewritten."""
+    table = pq.read_table(path)
+    names = table.column_names
+    if "max_running_requests" not in names and "max_concurrent_requests" in names:
+        at = names.index("max_concurrent_requests")
+        table = table.rename_columns(["max_running_requests" if n == "max_concurrent_requests" else n for n in names])
+        table = table.add_column(at, pa.field("max_concurrent_requests", I64), pa.nulls(len(table), type=I64))
+    return table
+
+
 def load_run(run_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict | None]:
     """(requests, iterations, run row): the parts concatenated in order; run row None for a run that never closed."""
     run_dir = Path(run_dir)
@@ -286,5 +300,5 @@ def load_run(run_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict | No
                 raise ValueError(f"{path}: not a {table} part: {exc}") from None
         frames.append(_frame(parts, SCHEMAS[table]))
     run_path = run_dir / RUN_FILE
-    run_row = pq.read_table(run_path).to_pylist()[0] if run_path.exists() else None
+    run_row = read_run_table(run_path).to_pylist()[0] if run_path.exists() else None
     return frames[0], frames[1], run_row
