@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 import streamlit as st
 
 from dashboard.data import Fingerprint, source_label
@@ -30,6 +29,7 @@ from harness.serve.rows import (
     part_files,
     part_rows,
     read_manifest,
+    read_run_table,
 )
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ def _run_row(folder: Path, *, skipped: list[str]) -> pd.DataFrame:
             requests_written += count if table == "requests" else 0
     run_path = folder / RUN_FILE
     if run_path.exists():
-        row = pq.read_table(run_path).to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get)
+        row = read_run_table(run_path).to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get)
     else:
         row = pd.DataFrame({"run_id": [folder.name]})
     try:

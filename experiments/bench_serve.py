@@ -147,7 +147,7 @@ def table(rows: list[tuple[str, int, dict]]) -> list[str]:
         lines.append(
             f"{engine:<16}{index:>6}{row['output_throughput']:>11.1f}{row['median_ttft_ms']:>10.0f}"
             f"{row['p99_ttft_ms']:>9.0f}{row['median_tpot_ms']:>10.1f}{row['p99_tpot_ms']:>9.1f}"
-            f"{row['max_concurrent_requests']:>9}{row['total_preemptions']:>9}"
+            f"{row['max_running_requests']:>9}{row['total_preemptions']:>9}"
         )
     return lines
 

@@ -160,10 +160,12 @@ class ServeSweepSummary(Callback):
         except ConfigError as exc:  # every run failed: nothing to summarize, and the jobs said why
             print(f"serve sweep {sweep_id}: no finished run: {exc}")
             return
-        columns = ["strategy", "kv_dtype", "qps", "max_concurrent_requests", "predicted_max_running",
-                   "total_preemptions", "output_throughput", "median_ttft_ms", "prefix_hit_rate"]  # fmt: skip
-        table = frame[columns].rename(columns={"max_concurrent_requests": "max running (measured)",
-                                               "predicted_max_running": "(predicted)"})  # fmt: skip
+        columns = ["strategy", "kv_dtype", "qps", "max_running_requests", "predicted_max_running",
+                   "max_concurrent_requests", "total_preemptions", "output_throughput", "median_ttft_ms",
+                   "prefix_hit_rate"]  # fmt: skip
+        table = frame[columns].rename(columns={"max_running_requests": "max running (measured)",
+                                               "predicted_max_running": "(predicted)",
+                                               "max_concurrent_requests": "max in flight"})  # fmt: skip
         print(f"serve sweep {sweep_id}: {len(frame)} runs")
         print(table.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
         slo = config.get("ttft_slo_ms")

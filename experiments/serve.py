@@ -297,8 +297,9 @@ def summary_lines(row: dict, run_dir: Path) -> list[str]:
         f"(goodput {row['request_goodput']:.2f} req/s)",
         f"  TTFT         median {row['median_ttft_ms']:.0f} ms, p99 {row.get('p99_ttft_ms', math.nan):.0f} ms",
         f"  TPOT         median {row['median_tpot_ms']:.1f} ms, p99 {row.get('p99_tpot_ms', math.nan):.1f} ms",
-        f"  concurrency  {row['max_concurrent_requests']} at most, measured; planner predicted "
-        f"{'n/a' if predicted is None else predicted}; {row['total_preemptions']} preemptions",
+        f"  concurrency  {row['max_running_requests']} running at most, measured; planner predicted "
+        f"{'n/a' if predicted is None else predicted}; {row['max_concurrent_requests']} in flight at most "
+        f"(queueing included); {row['total_preemptions']} preemptions",
         f"  KV pool      {row['num_blocks']} blocks of {row['block_size']} tokens "
         f"({row['kv_budget_bytes'] / 2**20:.0f} MiB), used {100 * row['mean_kv_utilization']:.0f}% on average, "
         f"{100 * row['peak_kv_utilization']:.0f}% at peak; prefix hit rate {100 * row['prefix_hit_rate']:.0f}%",

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from harness.serve.kv_manager import make_kv_manager
 from harness.serve.metrics import request_row, run_metrics
 from harness.serve.requests import RequestSpec, generate
-from harness.serve.rows import ServeRunWriter, iteration_row, serve_run_dir
+from harness.serve.rows import RUN_FILE, ServeRunWriter, iteration_row, serve_run_dir
 from harness.serve.scheduler import Scheduler, SchedulerConfig, simulate
 
 SWEEP = "20261201-120000"
@@ -113,3 +115,15 @@ def write_run(
 def write_sweep(results_dir: str | Path, *, strategies=STRATEGIES, qps_values=QPS) -> list[Path]:
     """A qps sweep: one finished run per strategy and qps, all of sweep SWEEP."""
     return [write_run(results_dir, strategy=s, qps=q) for s in strategies for q in qps_values]
+
+
+def as_written_before_max_running(run_dir: str | Path) -> None:
+    """Rewrite run_dir's run.parquet as it was written before max_running_requests existed (the committed
+    reference's runs): no max_running_requests, and max_concurrent_requests holding what it then counted, the
+    requests running (first scheduled to finished)."""
+    path = Path(run_dir) / RUN_FILE
+    table = pq.read_table(path)
+    running = table.column("max_running_requests")
+    at = table.column_names.index("max_concurrent_requests")
+    table = table.drop_columns(["max_concurrent_requests", "max_running_requests"])
+    pq.write_table(table.add_column(at, "max_concurrent_requests", running), path)

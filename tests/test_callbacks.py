@@ -88,3 +88,21 @@ def test_a_bad_point_stops_the_sweep_with_one_line_naming_it(hydra_context, caps
 def test_valid_points_pass_without_a_word(hydra_context, capsys):
     validate_points([["model=tiny", "batch_size=1"], ["model=tiny", "cache=paged"]])
     assert capsys.readouterr().err == ""
+
+
+def test_the_serve_sweep_summary_puts_the_running_peak_beside_the_prediction_and_the_in_flight_one_after(
+    tmp_path, capsys
+):
+    from experiments.callbacks import ServeSweepSummary
+    from harness.serve import fleet
+    from tests.serve_runs import SWEEP, write_run
+
+    write_run(tmp_path, strategy="paged", qps=256.0)  # a queue: more requests in flight than running
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / SWEEP)}}, "results_dir": str(tmp_path)})
+    ServeSweepSummary().on_multirun_end(config)
+    header, line = capsys.readouterr().out.splitlines()[1:3]
+    assert header.index("max running (measured)") < header.index("(predicted)") < header.index("max in flight")
+    (row,) = fleet.load_run_rows(tmp_path).to_dict("records")
+    assert row["max_concurrent_requests"] > row["max_running_requests"]
+    expected = [row["max_running_requests"], row["predicted_max_running"], row["max_concurrent_requests"]]
+    assert line.split()[3:6] == [str(value) for value in expected]  # after strategy, kv_dtype and qps

@@ -231,9 +231,18 @@ def test_the_planners_prediction_stands_beside_the_measured_concurrency_per_run(
     measured = dict(zip(trace(fig, MEASURED).x, trace(fig, MEASURED).y, strict=True))
     predicted = dict(zip(trace(fig, PREDICTED).x, trace(fig, PREDICTED).y, strict=True))
     for row, label in zip(done.itertuples(), run_labels(done), strict=True):
-        assert measured[label] == row.max_concurrent_requests and predicted[label] == row.predicted_max_running
+        assert measured[label] == row.max_running_requests and predicted[label] == row.predicted_max_running
     assert KILLED not in " ".join(measured)  # an unfinished run has no figures
-    assert fig.layout.yaxis.title.text == "concurrent requests"
+    assert fig.layout.yaxis.title.text == "running requests"
+
+
+def test_the_measured_bar_is_the_running_peak_not_the_in_flight_one(runs):
+    done = finished(runs)
+    queued = done[done["max_concurrent_requests"] > done["max_running_requests"]]  # requests waited in these runs
+    assert len(queued) > 0
+    bars = trace(concurrency_check(queued), MEASURED)
+    measured = dict(zip(bars.x, bars.y, strict=True))
+    assert measured == dict(zip(run_labels(queued), queued["max_running_requests"].astype(float), strict=True))
 
 
 def test_a_run_without_a_prediction_has_its_measured_bar_alone(runs):

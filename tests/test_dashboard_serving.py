@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 from streamlit.testing.v1 import AppTest
@@ -13,7 +14,15 @@ from streamlit.testing.v1 import AppTest
 from dashboard import data, serve_data, sidebar
 from harness.serve.rows import FINISHED, RUNNING, ServeRunWriter, serve_run_dir
 from harness.store import disk
-from tests.serve_runs import NUM_PROMPTS, QPS, STRATEGIES, TTFT_SLO_MS, write_run, write_sweep
+from tests.serve_runs import (
+    NUM_PROMPTS,
+    QPS,
+    STRATEGIES,
+    TTFT_SLO_MS,
+    as_written_before_max_running,
+    write_run,
+    write_sweep,
+)
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 PAGE = "app_pages/serving.py"
@@ -56,8 +65,27 @@ def test_an_integer_figure_stays_integer_beside_an_unfinished_runs_null(tmp_path
     write_run(tmp_path, run_id="done")
     write_run(tmp_path, run_id="killed", finished=False)
     runs, _ = serve_data.load_runs((str(tmp_path),))
-    concurrency = runs["max_concurrent_requests"]
-    assert str(concurrency.dtype) == "Int64" and concurrency.isna().tolist() == [False, True]
+    for column in ("max_concurrent_requests", "max_running_requests"):
+        assert str(runs[column].dtype) == "Int64" and runs[column].isna().tolist() == [False, True]
+
+
+def test_a_run_row_from_before_max_running_requests_loads_its_old_figure_as_running_beside_a_new_one(tmp_path):
+    write_run(tmp_path, run_id="new", qps=16.0)
+    as_written_before_max_running(write_run(tmp_path, run_id="old", qps=16.0))
+    runs, skipped = serve_data.load_runs((str(tmp_path),))
+    assert skipped == [] and runs["run_id"].tolist() == ["new", "old"]  # the same run, but for its run row
+    new_row, old_row = (runs.set_index("run_id").loc[name] for name in ("new", "old"))
+    assert old_row["max_running_requests"] == new_row["max_running_requests"]  # what the old column counted
+    assert pd.isna(old_row["max_concurrent_requests"]) and pd.notna(new_row["max_concurrent_requests"])
+    assert str(runs["max_running_requests"].dtype) == "Int64"
+
+
+def test_the_committed_references_serving_runs_all_load_a_running_figure():
+    runs, skipped = serve_data.load_runs((str(data.REFERENCE_DIR),))
+    done = runs[runs[serve_data.FINISHED].astype(bool)]
+    assert skipped == [] and len(done) > 0
+    assert done["max_running_requests"].notna().all()
+    assert (done["max_running_requests"] <= done["completed"]).all()
 
 
 def test_a_run_written_after_the_first_load_is_found_on_the_next(tmp_path):
@@ -157,6 +185,13 @@ def test_a_run_with_only_its_manifest_and_one_with_a_bad_part_are_listed_and_the
     warning = "\n".join(str(w.value) for w in at.warning)
     assert "Skipped 1 unreadable serving file(s)" in warning and str(bad.resolve()) in warning
     assert any("early (running)" in str(caption.value) for caption in at.caption)
+
+
+def test_the_page_draws_the_planner_check_over_a_run_row_from_before_max_running_requests(monkeypatch, tmp_path):
+    as_written_before_max_running(write_run(tmp_path, run_id="old", qps=16.0))
+    at = serving_page(monkeypatch, tmp_path)
+    assert len(at.get("plotly_chart")) == CHARTS
+    assert not [w.value for w in at.warning if "needs columns" in str(w.value)]  # its old figure is the running one
 
 
 def test_serving_parts_are_not_reported_as_unreadable_point_rows(tmp_path):

@@ -185,7 +185,7 @@ def concurrency(strategy: str, kv_dtype: str) -> tuple[int, int]:
 
     with tempfile.TemporaryDirectory() as directory:
         row = app.run(p, run_dir=serve_run_dir(directory, "r"), sweep_id="s")
-    return row["max_concurrent_requests"], row["predicted_max_running"]
+    return row["max_running_requests"], row["predicted_max_running"]
 
 
 @pytest.mark.parametrize(("strategy", "kv_dtype"), [("contiguous", "bf16"), ("paged", "bf16"), ("paged", "fp8_e4m3")])

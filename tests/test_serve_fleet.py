@@ -31,6 +31,7 @@ from harness.serve.metrics import request_row, run_metrics
 from harness.serve.requests import RequestSpec, generate
 from harness.serve.rows import ServeRunWriter, iteration_row, serve_run_dir
 from harness.serve.scheduler import Scheduler, SchedulerConfig, simulate
+from tests.serve_runs import as_written_before_max_running
 
 ROOT = Path(__file__).parents[1]
 QPS = (4.0, 8.0, 16.0, 32.0)
@@ -107,7 +108,8 @@ def test_the_knee_is_the_highest_qps_under_the_slo_per_strategy(runs):
 def test_the_knee_carries_its_own_runs_figures(runs):
     knee_run = runs[(runs["strategy"] == "paged") & (runs["qps"] == 16.0)].iloc[0]
     paged = by_strategy(fleet.knees(runs, SLO))["paged"]
-    for name in ("p99_ttft_ms", "request_throughput", "output_throughput", "mean_e2el_ms", "max_concurrent_requests"):
+    for name in ("p99_ttft_ms", "request_throughput", "output_throughput", "mean_e2el_ms", "max_concurrent_requests",
+                 "max_running_requests"):  # fmt: skip
         assert paged[f"knee_{name}"] == knee_run[name]
     assert paged["knee_p99_ttft_ms"] <= 50.0
 
@@ -124,8 +126,10 @@ def test_predicted_concurrency_is_littles_law_at_the_target_beside_the_measured_
     paged = by_strategy(fleet.fleet(runs, target_qps=100.0, ttft_slo_ms=SLO))["paged"]
     assert paged["predicted_concurrency"] == pytest.approx(100.0 * paged["knee_mean_e2el_ms"] / 1000.0)
     assert paged["predicted_concurrency_per_replica"] == pytest.approx(paged["predicted_concurrency"] / 7)
-    # A replica carries 100/7 = 14.3 req/s, below the knee's 16: its mean in flight stays below the knee run's peak.
+    # A replica carries 100/7 = 14.3 req/s, below the knee's 16: its mean in flight stays below the knee run's peak
+    # in flight (both count queueing), which is at least its peak running.
     assert paged["predicted_concurrency_per_replica"] <= paged["knee_max_concurrent_requests"]
+    assert paged["knee_max_concurrent_requests"] >= paged["knee_max_running_requests"]
 
 
 def test_a_curve_over_the_slo_at_its_lowest_qps_has_no_knee_and_no_replica_count(runs):
@@ -165,6 +169,15 @@ def test_an_unfinished_run_is_skipped(tmp_path):
     write_run(tmp_path, run_id="killed", sweep_id=NEWER, strategy="paged", qps=16.0, close=False)
     assert any((tmp_path / "serve" / "killed").glob("requests-*.parquet"))
     assert fleet.load_run_rows(tmp_path)["qps"].tolist() == [4.0, 8.0]
+
+
+def test_a_sweep_with_a_run_row_from_before_max_running_requests_still_has_its_knees(tmp_path):
+    write_sweep(tmp_path, NEWER, strategies=("paged",), qps=(4.0, 8.0, 16.0, 32.0))
+    as_written_before_max_running(serve_run_dir(tmp_path, f"{NEWER}-paged-16"))  # the knee run, as the reference's
+    (paged,) = fleet.knees(fleet.load_run_rows(tmp_path), SLO).to_dict("records")
+    assert paged["knee_qps"] == 16.0 and paged["knee_max_running_requests"] >= 1  # its old figure, under its name
+    assert pd.isna(paged["knee_max_concurrent_requests"])  # queueing included: never measured then
+    assert "max in flight" in "\n".join(fleet.summary_lines(fleet.knees(fleet.load_run_rows(tmp_path), SLO)))
 
 
 def test_two_sweeps_on_one_curve_are_refused(tmp_path):
@@ -227,8 +240,9 @@ def test_the_fleet_mode_prints_the_table_and_writes_it(sweep_dir):
     groups, header = proc.stdout.splitlines()[2:4]  # the knee and replicas measured, the concurrency predicted
     assert groups.split() == ["measured", "predicted"]
     assert (
-        header.index("replicas") < header.index("max running") < groups.index("predicted") < header.index("in flight")
-    )
+        header.index("replicas") < header.index("max running") < header.index("max in flight")
+        < groups.index("predicted") < header.rindex("in flight")
+    )  # fmt: skip
     written = Path(proc.stdout.strip().splitlines()[-1].removeprefix("written: "))
     assert written.parent == sweep_dir / "capacity" and written.name.startswith("fleet-")
     table = by_strategy(pd.read_parquet(written))

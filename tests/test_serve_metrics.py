@@ -15,6 +15,7 @@ from harness.serve.metrics import (
     RequestRecord,
     knee,
     max_concurrent_requests,
+    max_running_requests,
     parse_slo_ms,
     request_row,
     run_metrics,
@@ -141,6 +142,7 @@ def test_run_metrics_has_vllms_key_names():
         "output_throughput",
         "total_token_throughput",
         "max_concurrent_requests",
+        "max_running_requests",
         "total_preemptions",
         "prefix_hit_rate",
     }
@@ -257,23 +259,66 @@ def test_the_slos_are_recorded_in_ms():
 # --- concurrency, preemptions, prefix hits ------------------------------------------------------------------------
 
 
-def test_max_concurrent_requests_counts_a_request_finishing_as_another_starts_once():
-    # A [0.5, 1.75) and B [0.25, 2.0) overlap: 2. C starts at 1.75, the instant A ends: still 2, not 3.
-    assert run_metrics(three_requests(), DURATION_S)["max_concurrent_requests"] == 2
+def test_a_queued_request_is_concurrent_but_not_running():
+    # Four arrive at 0 and two run at a time: r0 and r1 on [0, 1), r2 and r3 queued until 1, then on [1, 2).
+    burst = [
+        record(request_id=f"r{i}", arrival_s=0.0, first_scheduled_s=float(i // 2), token_times_s=(i // 2 + 1.0,))
+        for i in range(4)
+    ]
+    metrics = run_metrics(burst, DURATION_S)
+    assert metrics["max_concurrent_requests"] == 4  # all four in flight from 0, as vLLM counts: queueing included
+    assert metrics["max_running_requests"] == 2  # two at a time, as the scheduler runs them
 
 
-def test_max_concurrent_requests_of_touching_and_overlapping_intervals():
+def test_the_hand_worked_requests_peak_at_three_in_flight_and_two_running():
+    # In flight (arrival to finish): A [0, 1.75), B [0.25, 2.0), C [1.0, 2.0): all three at 1.0, C queued.
+    # Running (first scheduled to finish): A [0.5, 1.75), B [0.25, 2.0), C [1.75, 2.0): C starts the instant A ends,
+    # so 2, not 3.
+    metrics = run_metrics(three_requests(), DURATION_S)
+    assert (metrics["max_concurrent_requests"], metrics["max_running_requests"]) == (3, 2)
+
+
+@pytest.mark.parametrize("peak", [max_concurrent_requests, max_running_requests])
+def test_a_peak_of_touching_and_overlapping_intervals(peak):
     first = record(arrival_s=0.0, token_times_s=(1.0,))
     touching = record(arrival_s=1.0, token_times_s=(2.0,))
     overlapping = record(arrival_s=0.75, token_times_s=(2.0,))
-    assert max_concurrent_requests([first, touching]) == 1
-    assert max_concurrent_requests([first, overlapping]) == 2
-    assert max_concurrent_requests([first, touching, overlapping]) == 2
+    assert peak([first, touching]) == 1
+    assert peak([first, overlapping]) == 2
+    assert peak([first, touching, overlapping]) == 2
+
+
+def test_running_requests_touch_where_their_queued_intervals_overlap():
+    # Both arrive at 0; the second is scheduled the instant the first finishes: in flight together, never running.
+    first = record(arrival_s=0.0, token_times_s=(1.0,))
+    second = record(arrival_s=0.0, first_scheduled_s=1.0, token_times_s=(2.0,))
+    assert (max_concurrent_requests([first, second]), max_running_requests([first, second])) == (2, 1)
 
 
 def test_max_concurrent_requests_of_a_burst_is_its_size():
     burst = [record(request_id=str(index), arrival_s=0.0, token_times_s=(1.0 + index,)) for index in range(5)]
     assert max_concurrent_requests(burst) == 5
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+@pytest.mark.parametrize("qps", [200.0, float("inf")])
+def test_max_running_requests_is_the_most_running_in_one_scheduler_iteration(preemption_mode, qps):
+    """Against the scheduler's own count (SchedulerOutput.num_running), in a pool tight enough to preempt: a
+    preempted request is counted until it finishes, yet the peak is still one iteration's running requests."""
+    from harness.serve.kv_manager import make_kv_manager
+    from harness.serve.requests import RequestSpec, generate
+    from harness.serve.scheduler import Scheduler, SchedulerConfig, simulate
+
+    spec = RequestSpec(num_prompts=40, qps=qps, seed=2, prompt_len=48, prompt_dist="uniform", prompt_spread=0.5,
+                       output_len=24, output_dist="uniform", output_spread=0.5, max_model_len=128)  # fmt: skip
+    kv = make_kv_manager("paged", num_blocks=24, block_size=8, max_model_len=128)
+    config = SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=16, max_model_len=128,
+                             preemption_mode=preemption_mode)  # fmt: skip
+    simulation = simulate(generate(spec), Scheduler(config, kv), lambda output: 1e-3 + 1e-5 * output.num_running)
+    metrics = run_metrics(simulation.records, 1.0)
+    assert metrics["total_preemptions"] > 0  # the case where counting until the finish could overcount
+    assert metrics["max_running_requests"] == max(output.num_running for output in simulation.iterations)
+    assert metrics["max_concurrent_requests"] > metrics["max_running_requests"]  # requests queued
 
 
 def test_preemptions_are_summed_and_prefix_hits_are_a_share_of_prompt_tokens():

@@ -10,6 +10,7 @@ import datetime as dt
 import json
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -21,14 +22,17 @@ from harness.serve.rows import (
     FAILED,
     FINISHED,
     MANIFEST_FILE,
+    RUN_FILE,
     RUNNING,
     ServeRunWriter,
     iteration_row,
     load_run,
     read_manifest,
+    read_run_table,
     serve_run_dir,
 )
 from harness.serve.scheduler import Scheduler, SchedulerConfig, simulate
+from tests.serve_runs import as_written_before_max_running
 
 CONFIG = {"strategy": "paged", "qps": 4.0, "kv_memory_gb": 0.5}
 # The run row's context columns (rows.RUN_CONTEXT), as the engine fills them.
@@ -262,3 +266,15 @@ def test_with_a_skipped_list_an_unreadable_part_is_named_and_every_other_part_lo
     requests_df, _, _ = load_run(run_dir, skipped=skipped)
     assert requests_df["request_id"].tolist() == ["r0", "r2"]
     assert [line.partition(": ")[0] for line in skipped] == [str(bad)]
+
+
+def test_a_run_row_written_before_max_running_requests_loads_its_old_figure_under_that_name(run_dir):
+    run_row = {**run_metrics(records(), duration_s=1.0), **CONTEXT}
+    with ServeRunWriter(run_dir) as writer:
+        writer.close(run_row, config=CONFIG)
+    as_written_before_max_running(run_dir)  # as the committed reference's: max_concurrent_requests counted running
+    assert "max_running_requests" not in pq.read_table(run_dir / RUN_FILE).column_names
+    _, _, loaded = load_run(run_dir)
+    assert loaded["max_running_requests"] == run_row["max_running_requests"]  # what the old column counted
+    assert loaded["max_concurrent_requests"] is None  # queueing included: never measured then
+    assert read_run_table(run_dir / RUN_FILE).schema.field("max_concurrent_requests").type == pa.int64()

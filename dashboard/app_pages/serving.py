@@ -27,9 +27,10 @@ NO_RUNS_HELP = (
 MAX_CDF_RUNS = 12  # default curves per CDF: a qps sweep of 5 strategies × 8 rates would draw 40
 TABLE_COLUMNS = [
     "run_id", "sweep_id", "engine", "strategy", "kv_dtype", "model", "device", "qps", serve_data.FINISHED,
-    serve_data.STATUS, serve_data.STARTED_AT, serve_data.REQUESTS_WRITTEN, "completed", "duration_s", "request_throughput", "output_throughput",
-    "request_goodput", "ttft_slo_ms", "p99_ttft_ms", "p99_tpot_ms", "max_concurrent_requests", "predicted_max_running",
-    "total_preemptions", "peak_kv_utilization", serve_data.SOURCE,
+    serve_data.STATUS, serve_data.STARTED_AT, serve_data.REQUESTS_WRITTEN, "completed", "duration_s",
+    "request_throughput", "output_throughput", "request_goodput", "ttft_slo_ms", "p99_ttft_ms", "p99_tpot_ms",
+    "max_running_requests", "predicted_max_running", "max_concurrent_requests", "total_preemptions",
+    "peak_kv_utilization", serve_data.SOURCE,
 ]  # fmt: skip
 
 st.title("Serving")
@@ -112,7 +113,8 @@ st.subheader("The planner, checked")
 plot("predicted and measured concurrency", concurrency_check, in_sweep)
 st.caption(
     "predicted_max_running is the planner's figure (harness.serve.capacity.predict_concurrency) for the run's KV "
-    "budget and length mix with every request waiting at once (qps=inf); max_concurrent_requests is measured, the "
-    "most requests the run held at one instant. Below saturation fewer requests overlap, so a measured bar under "
-    "the predicted one there is expected; at qps=inf the two should agree."
+    "budget and length mix with every request waiting at once (qps=inf); max_running_requests is measured, the "
+    "most requests the run held running at one instant (queueing left out; max_concurrent_requests, in the table, "
+    "counts queueing too, as vLLM's does, and is blank for a run recorded before it did). Below saturation fewer "
+    "requests overlap, so a measured bar under the predicted one there is expected; at qps=inf the two should agree."
 )

@@ -325,11 +325,12 @@ def goodput_vs_qps(runs: pd.DataFrame) -> go.Figure:
 
 def concurrency_check(runs: pd.DataFrame) -> go.Figure:
     """Per finished run, the planner's predicted_max_running (hatched: a prediction) beside the measured
-    max_concurrent_requests, as grouped bars; a run the planner made no prediction for has its measured bar alone."""
-    _require_finished(runs, ["max_concurrent_requests"])
-    title = "Concurrent requests: the planner's prediction beside the measured maximum"
-    x_title, y_title = "run", "concurrent requests"
-    points = _finished(runs, ["max_concurrent_requests"])
+    max_running_requests (queueing left out, as the planner counts), as grouped bars; a run the planner made no
+    prediction for has its measured bar alone."""
+    _require_finished(runs, ["max_running_requests"])
+    title = "Running requests: the planner's prediction beside the measured maximum"
+    x_title, y_title = "run", "running requests"
+    points = _finished(runs, ["max_running_requests"])
     if points.empty:
         return message_figure(title=title, x_title=x_title, y_title=y_title, message="no finished runs")
     names = run_labels(points).to_list()
@@ -337,6 +338,6 @@ def concurrency_check(runs: pd.DataFrame) -> go.Figure:
     fig = go.Figure()
     if predicted.notna().any():
         fig.add_trace(go.Bar(x=names, y=predicted, name=PREDICTED, marker=dict(color=colour(0), pattern_shape="/")))
-    fig.add_trace(go.Bar(x=names, y=numbers(points, "max_concurrent_requests"), name=MEASURED, marker_color=colour(1)))
+    fig.add_trace(go.Bar(x=names, y=numbers(points, "max_running_requests"), name=MEASURED, marker_color=colour(1)))
     fig.update_layout(title_text=title, barmode="group", xaxis_title_text=x_title, yaxis_title_text=y_title)
     return fig

@@ -10,9 +10,10 @@ engine), the runs' qps points make a curve, and from it:
                                (harness.serve.capacity.replicas_needed)
     predicted_concurrency      target_qps x the knee run's mean E2E latency: the requests in flight across the fleet,
                    predicted   on average, by Little's law (harness.serve.capacity.concurrency_needed). Per replica it
-                               sits beside the knee run's measured max_concurrent_requests: a mean beside a peak, at a
-                               rate at or below the knee's, so it should not exceed it (E2E counts queueing, the peak
-                               only running requests: at the knee, queueing is small by the SLO)
+                               sits beside the knee run's measured max_concurrent_requests, the most in flight at once
+                               (both count queueing): a mean beside a peak, at a rate at or below the knee's, so it
+                               should not exceed it. The knee run's max_running_requests (queueing left out) is shown
+                               too: what the replica's KV pool held at once
 
 Runs at qps=inf (all requests at t = 0) are a burst, not a rate: they are left out of the curve. Torch-free (pandas
 and pyarrow), so that the dashboard can read a sweep without the model; fleet() alone imports the planner's module.
@@ -29,11 +30,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from harness.errors import ConfigError
 from harness.serve.metrics import MS_PER_S, SLO_FORMS, knee, parse_slo_ms
-from harness.serve.rows import RUN_FILE, SERVE_DIR
+from harness.serve.rows import RUN_FILE, SERVE_DIR, read_run_table
 from harness.store.disk import FLEET_PREFIX, write_parquet
 
 CURVE_KEY = ("strategy", "kv_dtype", "engine")  # one curve, one knee
@@ -48,7 +48,9 @@ _SWEEP_STAMP = re.compile(r"\d{8}-\d{6}")
 KNEE_STATUSES = ("knee", "not_reached", "below_lowest", "no_points")
 
 _KNEE_RUN_COLUMNS = ("qps", KNEE_METRIC, "request_throughput", "output_throughput", "mean_e2el_ms")
-_KNEE_RUN_COLUMNS += ("max_concurrent_requests",)  # what the knee run's row adds to its curve's, as knee_<name>
+# What the knee run's row adds to its curve's, as knee_<name>. A run row from before max_running_requests loads it
+# from its old column, and its max_concurrent_requests as null (harness.serve.rows.read_run_table).
+_KNEE_RUN_COLUMNS += ("max_concurrent_requests", "max_running_requests")
 
 # The fleet table on disk: one schema whatever a sweep held (a curve without a knee has nulls, still float64).
 F64, I64, STR = pa.float64(), pa.int64(), pa.string()
@@ -57,7 +59,8 @@ KNEE_FIELDS += [pa.field("num_points", I64)]  # runs at a finite qps
 KNEE_FIELDS += [pa.field(name, F64) for name in ("min_qps", "max_qps", "ttft_slo_ms")]  # req/s; ms
 KNEE_FIELDS += [pa.field(name, F64) for name in ("knee_qps", "knee_p99_ttft_ms")]  # measured: req/s, ms
 KNEE_FIELDS += [pa.field(name, F64) for name in ("knee_request_throughput", "knee_output_throughput")]  # req/s, tok/s
-KNEE_FIELDS += [pa.field("knee_mean_e2el_ms", F64), pa.field("knee_max_concurrent_requests", I64)]
+KNEE_FIELDS += [pa.field("knee_mean_e2el_ms", F64)]
+KNEE_FIELDS += [pa.field(name, I64) for name in ("knee_max_concurrent_requests", "knee_max_running_requests")]
 FLEET_SCHEMA = pa.schema(
     KNEE_FIELDS
     + [pa.field("target_qps", F64), pa.field("replicas", I64)]  # measured: ceil(target / knee)
@@ -92,7 +95,7 @@ def load_run_rows(results_dir: str | Path, sweep_id: str | None = None) -> pd.Da
     frames = []
     for path in paths:
         try:
-            frames.append(pq.read_table(path).to_pandas(types_mapper={I64: pd.Int64Dtype()}.get))
+            frames.append(read_run_table(path).to_pandas(types_mapper={I64: pd.Int64Dtype()}.get))
         except (pa.ArrowInvalid, OSError) as exc:
             raise ValueError(f"{path}: not a run row: {exc}") from None
     rows = pd.concat(frames, ignore_index=True)  # percentile columns a run did not ask for read NaN
@@ -204,8 +207,8 @@ def _knee_text(status: str, knee_qps) -> str:
 
 def summary_lines(table: pd.DataFrame) -> list[str]:
     """Printable lines for knees() or fleet() output: a header, then a small table whose column groups say which
-    figures are measured (from the curve; max running is the knee run's peak) and which predicted (Little's law),
-    then a note per marker shown."""
+    figures are measured (from the curve; max running and max in flight are the knee run's peaks) and which
+    predicted (Little's law), then a note per marker shown."""
     if table.empty:
         return ["no curves"]
     first = table.iloc[0]
@@ -214,7 +217,7 @@ def summary_lines(table: pd.DataFrame) -> list[str]:
     if has_fleet:
         lines.append(
             f"for {first['target_qps']:g} req/s: replicas = ceil(target / knee); in flight = target x mean E2E at the "
-            "knee, per replica beside the knee run's max running"
+            "knee, per replica beside the knee run's max in flight"
         )
     shown = []
     for row in table.itertuples(index=False):
@@ -231,7 +234,8 @@ def summary_lines(table: pd.DataFrame) -> list[str]:
         }
         if has_fleet:
             line["measured", "replicas"] = _number(row.replicas)
-        line["measured", "max running"] = _number(row.knee_max_concurrent_requests)
+        line["measured", "max running"] = _number(row.knee_max_running_requests)
+        line["measured", "max in flight"] = _number(row.knee_max_concurrent_requests)  # null for an old run row
         if has_fleet:
             line["predicted", "per replica"] = _number(row.predicted_concurrency_per_replica, "{:.1f}")
             line["predicted", "in flight"] = _number(row.predicted_concurrency, "{:.1f}")

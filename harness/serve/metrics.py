@@ -13,8 +13,11 @@ result dict it saves), so that a kvbench run and a vLLM run read side by side:
 - std is the population one (numpy's ddof=0) and percentiles are numpy's default (linear interpolation), as vLLM's.
 - median_<m>_ms is always there; p50_<m>_ms too when 50 is among the percentiles, as vLLM's output has both.
 
+- max_concurrent_requests counts a request from its arrival to its finish, queueing included, as vLLM's does;
+  max_running_requests, which vLLM's client cannot see, counts it from its first admission, as the planner does.
+
 Where kvbench departs from vLLM, it says so where it does (statistics of nothing, goodput without an SLO, the
-concurrency sweep).
+concurrency peak against vLLM's older per-second form).
 """
 
 from __future__ import annotations
@@ -198,20 +201,40 @@ def _statistics_ms(name: str, samples_s: Sequence[float], percentiles: Sequence[
     return figures
 
 
-def max_concurrent_requests(records: Sequence[RequestRecord]) -> int:
-    """The most requests running at one instant, each from first_scheduled_s to finished_s, by an event sweep.
+def _peak_overlap(intervals: Iterable[tuple[float, float]]) -> int:
+    """The most half-open intervals [start, end) that hold one instant, by an event sweep: at a tie the end is swept
+    before the start, so one that ends at the very instant another starts does not overlap it."""
+    events = sorted(event for start, end in intervals for event in ((start, +1), (end, -1)))  # (t, -1) < (t, +1)
+    return max(0, int(np.cumsum([delta for _, delta in events]).max(initial=0)))
 
-    Intervals are half-open [first_scheduled_s, finished_s): one request finishing at the very instant another is
-    scheduled does not overlap it (the engine frees the blocks before it admits), so at a tie the end is swept
-    before the start. A preempted request counts as running until it finishes (its record carries no pause times).
-    vLLM's max_concurrent_requests, of the same name, counts requests active within each whole second on the
-    client side instead, which overcounts short requests that follow one another within a second.
+
+def max_concurrent_requests(records: Sequence[RequestRecord]) -> int:
+    """The most requests in flight at one instant, each from arrival_s to finished_s: queueing included.
+
+    vLLM's max_concurrent_requests ("Peak concurrent requests"; vllm/benchmarks/serve.py, `calculate_metrics`,
+    PR #23867) counts each request from its start_time (sent by the client) to start_time + latency (its last token
+    received). Its first form counted a request in every whole second from int(start) to int(end) and took the
+    most in one second, which overcounts requests that follow one another within a second (vllm-project/vllm
+    issue #56653); its later form (main at 009e6d4a) sweeps the half-open [start, end) exactly, departures before
+    arrivals at a tie. Ours is that exact sweep, over the engine's arrival_s (the request's trace or Poisson time,
+    no network between) and finished_s: never above the per-second form, equal to the exact one.
     """
-    events = sorted(
-        [(record.first_scheduled_s, +1) for record in records] + [(record.finished_s, -1) for record in records]
-    )  # (time, -1) sorts before (time, +1): ends first at a tie
-    running = np.cumsum([delta for _, delta in events])
-    return max(0, int(running.max()))
+    return _peak_overlap((record.arrival_s, record.finished_s) for record in records)
+
+
+def max_running_requests(records: Sequence[RequestRecord]) -> int:
+    """The most requests running at one instant, each from first_scheduled_s to finished_s: queueing left out.
+
+    The figure the planner predicts (harness.serve.capacity's predicted_max_running), and for our scheduler exactly
+    the most requests running in one iteration (SchedulerOutput.num_running): a request counts from the iteration
+    that first admits it to the one that finishes it, and one preempted in between counts on while it waits (its
+    record holds no pause), but no request is first admitted meanwhile (it waits at the front of the queue, which
+    admits in order), so the peak, reached at a first admission, is that iteration's running count.
+    tests/test_serve_metrics.py checks it against the iterations, preemptions included. For the peer
+    (harness.serve.peer) it is the same sweep over its scheduler's own admission stamps. vLLM's benchmark, a
+    client, has no such figure.
+    """
+    return _peak_overlap((record.first_scheduled_s, record.finished_s) for record in records)
 
 
 def run_metrics(
@@ -279,7 +302,8 @@ def run_metrics(
     }
     for name in LATENCY_METRICS:
         row.update(_statistics_ms(name, samples_s[name], percentiles))
-    row["max_concurrent_requests"] = max_concurrent_requests(records)
+    row["max_concurrent_requests"] = max_concurrent_requests(records)  # in flight: queueing included, as vLLM's
+    row["max_running_requests"] = max_running_requests(records)  # running: what the planner predicts
     row["total_preemptions"] = sum(record.preemptions for record in records)
     # Every prompt has at least one token (RequestRecord checks), so the rate is always defined; a run without a
     # prefix cache reads 0.0.

@@ -95,7 +95,8 @@ RUN_FIELDS += [_required(name, F64) for name in ("request_throughput", "request_
 RUN_FIELDS += [pa.field(f"{name}_slo_ms", F64) for name in ("ttft", "tpot", "e2el")]  # null: no SLO
 RUN_FIELDS += [_required(name, F64) for name in ("output_throughput", "total_token_throughput")]  # tok/s
 RUN_FIELDS += [pa.field(f"{s}_{m}_ms", F64) for m in LATENCY_METRICS for s in ("mean", "median", "std")]
-RUN_FIELDS += [_required("max_concurrent_requests", I64), _required("total_preemptions", I64)]
+RUN_FIELDS += [_required(name, I64) for name in ("max_concurrent_requests", "max_running_requests")]
+RUN_FIELDS += [_required("total_preemptions", I64)]
 RUN_FIELDS += [_required("prefix_hit_rate", F64)]
 # What the run was, so that runs compare without parsing config_json: the sweep it belongs to (the runs of one
 # `-m` sweep, e.g. experiment=serve-qps, share it; a single run is its own), the engine ("kvbench", or the peer
@@ -342,6 +343,20 @@ def _conform(part: pa.Table, schema: pa.Schema) -> pa.Table:
     return part.select(schema.names).cast(schema)
 
 
+def read_run_table(path: str | Path) -> pa.Table:
+    """A run.parquet, in today's run columns. One written before max_running_requests existed (the committed
+    reference's) counted, under max_concurrent_requests, the requests running (first scheduled to finished), which
+    is today's max_running_requests: it loads under that name, and its max_concurrent_requests (queueing included)
+    as null, never measured. The file is not rewritten."""
+    table = pq.read_table(path)
+    names = table.column_names
+    if "max_running_requests" not in names and "max_concurrent_requests" in names:
+        at = names.index("max_concurrent_requests")
+        table = table.rename_columns(["max_running_requests" if n == "max_concurrent_requests" else n for n in names])
+        table = table.add_column(at, pa.field("max_concurrent_requests", I64), pa.nulls(len(table), type=I64))
+    return table
+
+
 def load_run(
     run_dir: str | Path, *, skipped: list[str] | None = None
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict | None]:
@@ -365,5 +380,5 @@ def load_run(
                 skipped.append(f"{path}: not a {table} part: {exc}")
         frames.append(_frame(parts, SCHEMAS[table]))
     run_path = run_dir / RUN_FILE
-    run_row = pq.read_table(run_path).to_pylist()[0] if run_path.exists() else None
+    run_row = read_run_table(run_path).to_pylist()[0] if run_path.exists() else None
     return frames[0], frames[1], run_row
