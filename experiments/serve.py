@@ -40,6 +40,7 @@ from harness.serve.scheduler import Scheduler, SchedulerConfig
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 log = logging.getLogger("kvbench")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+SLO_NAMES = (("TTFT", "ttft"), ("TPOT", "tpot"), ("E2E", "e2el"))  # (as printed, the run row's <key>_slo_ms)
 FLUSH_EVERY_S = 1.0  # finished requests reach disk at least this often (s), whatever ServeRunWriter's flush_every
 
 
@@ -294,7 +295,7 @@ def summary_lines(row: dict, run_dir: Path) -> list[str]:
         f"serve {row['strategy']} {row['kv_dtype']} at qps={row['qps']:g}: {row['completed']} requests in "
         f"{row['duration_s']:.1f} s ({row['num_iterations']} iterations) -> {run_dir}",
         f"  throughput   {row['output_throughput']:.1f} output tok/s, {row['request_throughput']:.2f} req/s "
-        f"(goodput {row['request_goodput']:.2f} req/s)",
+        f"(goodput {row['request_goodput']:.2f} req/s: {goodput_terms(row)})",
         f"  TTFT         median {row['median_ttft_ms']:.0f} ms, p99 {row.get('p99_ttft_ms', math.nan):.0f} ms",
         f"  TPOT         median {row['median_tpot_ms']:.1f} ms, p99 {row.get('p99_tpot_ms', math.nan):.1f} ms",
         f"  concurrency  {row['max_running_requests']} running at most, measured; planner predicted "
@@ -306,6 +307,19 @@ def summary_lines(row: dict, run_dir: Path) -> list[str]:
         f"  host         {row['mean_step_ms']:.1f} ms per forward, scheduler {row['mean_scheduler_ms']:.2f} ms "
         f"per iteration ({100 * row['mean_scheduler_ms'] / (row['mean_step_ms'] + row['mean_scheduler_ms']):.1f}%)",
     ]
+
+
+def goodput_terms(row: dict) -> str:
+    """What defines the goodput beside it: how many requests met which SLOs, or that none was given."""
+    slos = [f"{name} <= {_duration(row[f'{key}_slo_ms'])}" for name, key in SLO_NAMES if row.get(f"{key}_slo_ms")]
+    if not slos:
+        return "no SLO given, every request counts"
+    good = round(row["request_goodput"] * row["duration_s"])  # goodput = good requests / duration
+    return f"{good} of {row['completed']} requests met {' and '.join(slos)}"
+
+
+def _duration(ms: float) -> str:
+    return f"{ms / 1e3:g} s" if ms >= 1e3 else f"{ms:g} ms"  # 10 s, 250 ms: as the SLO was likely written
 
 
 def run_names(cfg: ServeConfig, kv_dtype: str) -> tuple[str, str]:

@@ -133,11 +133,26 @@ def test_a_budget_past_the_machine_is_refused_in_one_line_before_anything_is_all
     assert list(tmp_path.iterdir()) == []  # no run folder, no Hydra log
 
 
+@pytest.mark.parametrize(
+    ("slos", "printed"),
+    [
+        ({"ttft_slo_ms": 10_000.0, "tpot_slo_ms": 1_000.0}, "2 of 32 requests met TTFT <= 10 s and TPOT <= 1 s"),
+        ({"ttft_slo_ms": 250.0}, "2 of 32 requests met TTFT <= 250 ms"),
+        ({}, "no SLO given, every request counts"),
+    ],
+)
+def test_the_summary_prints_the_slos_that_define_the_goodput_beside_it(slos, printed):
+    row = {"ttft_slo_ms": None, "tpot_slo_ms": None, "e2el_slo_ms": None, "request_goodput": 2 / 40.0,
+           "duration_s": 40.0, "completed": 32} | slos  # fmt: skip
+    assert app.goodput_terms(row) == printed
+
+
 def test_a_run_writes_its_requests_iterations_and_run_row(tmp_path):
     stream = ["kv_memory_gb=0.002", "num_prompts=12", "qps=inf", "prompt_len=40", "output_len=8", "run_id=one"]
     result = cli(tmp_path, *TINY, *stream, "ttft_slo_ms=10s")
     assert result.returncode == 0, result.stderr
     assert "concurrency" in result.stdout and "planner predicted" in result.stdout
+    assert "(goodput " in result.stdout and " of 12 requests met TTFT <= 10 s)" in result.stdout  # its SLO beside it
     requests, iterations, run = load_run(serve_run_dir(tmp_path, "one"))
     assert len(requests) == 12 and (requests["output_len"] == 8).all()
     assert iterations["num_decode_tokens"].sum() + iterations["num_prefill_tokens"].sum() >= 12 * (40 + 7)
