@@ -131,6 +131,7 @@ class SweepProgress(Callback):
             print(f"\nObserved knee (TPOT > {crossover.KNEE_RISE:.2f} x batch 1) beside the predicted B*:")
             print(knees.to_string(index=False))
         self.print_reuse_crossover(config, table)
+        print(f"\n{summary.next_step(self.sweep_dir, results_dir=config.results_dir)}")
 
     @staticmethod
     def print_reuse_crossover(config: DictConfig, table: pd.DataFrame) -> None:

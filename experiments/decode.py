@@ -62,6 +62,7 @@ def main(cfg: DictConfig) -> dict:
             if HydraConfig.get().mode.name != "MULTIRUN":
                 print(f"already recorded as {earlier['status']} (force=true measures it again):")
                 print(summary.format_summary(disk.load(earlier["path"]).query(f"point_id == '{base['point_id']}'")))
+                print(summary.next_step(Path(earlier["path"]).parent, results_dir=run_cfg.results_dir))
             return {"status": sweep.SKIPPED, "path": earlier["path"], "point_id": base["point_id"]}
     cause = sweep.oom_cause(run_cfg, base, directory) if run_cfg.oom_backstop else None
     if cause is not None:
@@ -79,6 +80,7 @@ def main(cfg: DictConfig) -> dict:
     log.info("%s %s -> %s", row["status"], row.get("error") or "", path)
     if HydraConfig.get().mode.name != "MULTIRUN":
         print(summary.format_summary(disk.load(path)))
+        print(summary.next_step(directory, results_dir=run_cfg.results_dir))
     return {"status": row["status"], "path": str(path), "point_id": row["point_id"]}
 
 

@@ -36,6 +36,7 @@ from harness.serve.metrics import parse_slo_ms, request_row, run_metrics
 from harness.serve.requests import RequestSpec, describe, generate, prompt_token_ids, read_trace
 from harness.serve.rows import ServeRunWriter, iteration_row, serve_run_dir
 from harness.serve.scheduler import Scheduler, SchedulerConfig
+from harness.store.summary import next_step
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 log = logging.getLogger("kvbench")
@@ -346,6 +347,7 @@ def main(cfg: DictConfig) -> dict:
              serve_cfg.block_size, serve_cfg.strategy)  # fmt: skip
     row = run(p, run_dir=run_dir, sweep_id=sweep_id)
     print("\n".join(summary_lines(row, run_dir)) + f"\n  wall         {time.perf_counter() - started:.1f} s")
+    print(next_step(run_dir, results_dir=serve_cfg.results_dir, page="Serving"))
     return {"run_dir": str(run_dir), "row": row}
 
 

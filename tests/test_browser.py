@@ -60,3 +60,13 @@ def test_a_page_that_raises_is_reported_as_failed(tmp_path):
 
     assert not report.ok
     assert any("page exploded" in error for error in report.errors)
+
+
+def png_height_px(path: Path) -> int:
+    return int.from_bytes(path.read_bytes()[20:24], "big")  # the IHDR chunk: width, then height, big-endian
+
+
+def test_a_long_page_is_shot_whole_not_cut_at_the_first_screen(reports):
+    """Streamlit scrolls inside <main>, so Playwright's full_page alone stops at the viewport; the roofline page
+    (three charts and a table) is longer than one screen."""
+    assert png_height_px(reports["roofline"].screenshot) > browser.VIEWPORT["height"]

@@ -112,6 +112,8 @@ def test_a_single_run_prints_its_summary(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "tpot ms" in proc.stdout and "tiny" in proc.stdout
     assert len(disk.load(tmp_path)) == 1
+    (run_dir,) = [path for path in tmp_path.iterdir() if path.is_dir()]
+    assert proc.stdout.splitlines()[-1].endswith(f" show {run_dir})")  # the next step: kvbench-results show
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,12 @@
-"""Result rows as text: the one table printer (pandas), and the summary a sweep or `kvbench-results show` prints."""
+"""Result rows as text: the one table printer (pandas), the summary a sweep or `kvbench-results show` prints, and
+the line a run ends with: where to look at what it wrote."""
 
 from __future__ import annotations
 
+import shutil
+import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import pandas as pd
 
@@ -10,6 +14,7 @@ from harness.store.schema import COLUMNS
 
 _ERROR_WIDTH_CHARS = 60  # format_summary: keeps a failed row's error on one terminal line
 _MIB_BYTES = 2**20
+DASHBOARD_RESULTS = Path("results")  # the folder `make dashboard` reads (dashboard/data.py), beside results/reference
 
 # (header, column, format): the header carries the unit the format converts to.
 _SUMMARY_LAYOUT: tuple[tuple[str, str, Callable[[object], str]], ...] = (
@@ -107,6 +112,29 @@ def format_summary(df: pd.DataFrame) -> str:
     formatters = {header: fmt for header, _, fmt in layout}
     left = [name for name in (*_SUMMARY_TEXT, *varying) if name in shown.columns]
     return text_table(shown, formatters=formatters, left=left)
+
+
+def next_step(folder: str | Path, *, results_dir: str | Path, page: str | None = None) -> str:
+    """A run's last line: how to look at what it wrote to `folder` under results_dir. The dashboard (told the
+    folder when it is not results/), then kvbench-results show, or for tables that command does not read (serving
+    runs), the dashboard page that draws them."""
+    dashboard = "make dashboard"
+    if Path(results_dir) != DASHBOARD_RESULTS:
+        dashboard = f"KVBENCH_RESULTS={results_dir} {dashboard}"
+    if page is None:
+        return f"next: {dashboard}  (or: {results_command()} show {folder})"
+    return f"next: {dashboard}, its {page} page  (this run: {folder})"
+
+
+def results_command() -> str:
+    """kvbench-results as it runs from here: by name when it is on PATH, else beside this interpreter
+    (.venv/bin/kvbench-results under make, whose venv is not activated), else the module."""
+    if shutil.which("kvbench-results"):
+        return "kvbench-results"
+    script = Path(sys.executable).parent / "kvbench-results"
+    if not script.exists():
+        return "python -m harness.store"
+    return str(script.relative_to(Path.cwd())) if script.is_relative_to(Path.cwd()) else str(script)
 
 
 def _cell_text(value: object) -> str:
