@@ -34,3 +34,11 @@ def test_a_pool_past_the_machine_is_one_line_before_any_engine_is_built(tmp_path
     err = capsys.readouterr().err.strip()
     assert err.startswith("kvbench: bad config: --num-blocks: a KV pool of ") and "\n" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_mla_model_is_refused_in_one_line_before_any_engine_is_built(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_serve.main(["--model", "mla-tiny", "--results-dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("kvbench: bad config: model: mla-tiny is MLA")
+    assert list(tmp_path.iterdir()) == []
