@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from harness.config import device_type
+from harness.config import DTYPES, device_type
 from harness.errors import ConfigError, exit_on_config_error
 from harness.model import build_model
 from harness.model_args import ModelArgs
@@ -41,7 +41,6 @@ from harness.serve.requests import RequestSpec, generate, prompt_token_ids
 from harness.serve.rows import ServeRunWriter, serve_run_dir
 from harness.serve.scheduler import Scheduler, SchedulerConfig
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ROW_METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 
 

@@ -26,7 +26,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from harness.config import ModelConfig, Workload, check_choice, device_type
+from harness.config import DTYPES, ModelConfig, Workload, check_choice, device_type, resolve_kv_dtype
 from harness.errors import ConfigError, exit_on_config_error
 from harness.model import build_model
 from harness.serve import capacity
@@ -40,7 +40,6 @@ from harness.store.summary import next_step
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 log = logging.getLogger("kvbench")
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SLO_NAMES = (("TTFT", "ttft"), ("TPOT", "tpot"), ("E2E", "e2el"))  # (as printed, the run row's <key>_slo_ms)
 FLUSH_EVERY_S = 1.0  # finished requests reach disk at least this often (s), whatever ServeRunWriter's flush_every
 
@@ -116,7 +115,7 @@ def plan(cfg: ServeConfig) -> Plan:
     """Every check, in the order a user fixes them; a ConfigError names the field."""
     check_choice("strategy", cfg.strategy, SERVE_STRATEGIES)
     check_choice("dtype", cfg.dtype, tuple(DTYPES))
-    kv_dtype = cfg.dtype if cfg.kv_dtype == "auto" else cfg.kv_dtype
+    kv_dtype = resolve_kv_dtype(cfg.kv_dtype, cfg.dtype)
     check_choice("kv_dtype", kv_dtype, ("auto", *SERVE_KV_DTYPES))
     check_choice("preemption_mode", cfg.preemption_mode, ("recompute", "swap"))
     if (cfg.strategy == "sliding") != (cfg.sliding_window is not None):

@@ -23,7 +23,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from harness import ceilings, tier_bandwidth
-from harness.config import DEVICES, ModelConfig, check_choice, device_type
+from harness.config import DEVICES, ModelConfig, check_choice, device_type, resolve_kv_dtype
 from harness.errors import ConfigError, exit_on_config_error
 from harness.formats import COMPUTE_DTYPES, KV_DTYPES
 from harness.model_args import PRESETS
@@ -92,7 +92,7 @@ class TiersConfig:
 
     @property
     def kv_dtype_name(self) -> str:
-        return self.dtype_name if self.kv_dtype == "auto" else self.kv_dtype
+        return resolve_kv_dtype(self.kv_dtype, self.dtype_name)
 
     @property
     def disk_path(self) -> Path:

@@ -21,13 +21,15 @@ import torch
 
 from harness import kv
 from harness.errors import ConfigError
-from harness.formats import ATTN_IMPLS, COMPILE_MODES, COMPUTE_DTYPES, KV_DTYPES, KV_GROUP_SIZES
+from harness.formats import ATTN_IMPLS, COMPILE_MODES, KV_DTYPES, KV_GROUP_SIZES
+from harness.kv.quant import PLAIN
 from harness.mla import MLA_PATHS
 from harness.model_args import PRESETS, SUPPORTED_MODEL_TYPES, ModelArgs, load_args
 
-# Compute dtypes by name (harness.formats holds their sizes, and the KV storage formats).
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-assert tuple(DTYPES) == COMPUTE_DTYPES
+# Compute dtypes by name -> torch dtypes. The one table is harness.kv.quant's PLAIN (the plain KV formats are the
+# compute dtypes, harness.formats.PLAIN), the lowest module that holds torch dtypes; harness.formats, torch-free,
+# holds their sizes and the KV storage formats.
+DTYPES = PLAIN
 DEVICES = ("auto", "cpu", "cuda")
 LENGTHS = ("fixed", "mixed")
 # Field metadata for point_id. {POINT_ID: False}: how and where a point runs, not what it measures, so it never
@@ -170,7 +172,7 @@ class Workload:
 
     @property
     def kv_dtype_name(self) -> str:
-        return self.dtype if self.kv_dtype == "auto" else self.kv_dtype
+        return resolve_kv_dtype(self.kv_dtype, self.dtype)
 
     @property
     def max_tokens(self) -> int:
@@ -335,6 +337,12 @@ def check_mla(args: ModelArgs, *, cache: str, mla_path: str, attn_impl: str = "s
         raise ConfigError(
             f"cache.name: {cache} does not store {args.name}'s MLA latent; allowed: {', '.join(MLA_CACHES)}"
         )
+
+
+def resolve_kv_dtype(kv_dtype: str, dtype: str) -> str:
+    """The KV storage format a kv_dtype names: "auto" is the compute dtype (vLLM's kv_cache_dtype="auto"), any
+    other name is itself. The one place "auto" is resolved, for the decode runs, serving and the tiers."""
+    return dtype if kv_dtype == "auto" else kv_dtype
 
 
 def check_choice(name: str, value: str, allowed) -> None:

@@ -10,7 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import experiments.decode  # noqa: F401  (registers the run_config schema that conf/config.yaml extends)
-from harness.config import RunConfig, check_storable
+from harness.config import DTYPES, RunConfig, check_storable, resolve_kv_dtype
 from harness.errors import ConfigError
 
 CONF = Path(__file__).parents[1] / "conf"
@@ -25,6 +25,21 @@ def bad(match: str, **fields) -> None:
 def test_defaults_are_valid():
     cfg = RunConfig()
     assert cfg.kv_dtype_name == cfg.dtype and cfg.cache == {"name": "contiguous"}
+
+
+def test_kv_dtype_auto_resolves_to_the_compute_dtype_and_any_other_name_to_itself():
+    assert resolve_kv_dtype("auto", "bf16") == "bf16" and resolve_kv_dtype("auto", "fp32") == "fp32"
+    assert resolve_kv_dtype("fp8_e4m3", "bf16") == "fp8_e4m3" and resolve_kv_dtype("fp16", "fp32") == "fp16"
+
+
+def test_the_compute_dtype_table_is_one_table_that_serving_and_the_kv_formats_share():
+    import experiments.bench_serve
+    import experiments.serve
+    from harness.kv import quant
+
+    assert DTYPES is quant.PLAIN
+    for module in (experiments.serve, experiments.bench_serve):  # imported from here, or not there at all
+        assert getattr(module, "DTYPES", DTYPES) is DTYPES
 
 
 def test_unknown_model_names_the_presets():
