@@ -62,12 +62,12 @@ class ServeConfig:
     kv_memory_gb: float | None = None
     gpu_memory_utilization: float | None = None
     memory_gb: float | None = None
-    # vLLM's scheduler (harness.serve.scheduler.SchedulerConfig)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    watermark: float = 0.01
-    preemption_mode: str = "recompute"  # recompute | swap
+    # vLLM's scheduler, at its defaults (harness.serve.scheduler.SchedulerConfig, the one place they are declared)
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
+    watermark: float = SchedulerConfig.watermark
+    preemption_mode: str = SchedulerConfig.preemption_mode  # recompute | swap
     max_model_len: int = 2048
     # The stream (harness.serve.requests.RequestSpec), or a trace file that replaces it
     num_prompts: int = 100

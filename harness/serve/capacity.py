@@ -33,14 +33,15 @@ from harness.plan.activations import forward_bytes
 from harness.plan.ledger import buffers_bytes, weights_bytes
 from harness.plan.runtime import GiB, default_runtime_overhead_bytes, detected_memory_bytes, free_memory_bytes
 from harness.serve.requests import Request
+from harness.serve.scheduler import SchedulerConfig
 
-# vLLM's defaults (SchedulerConfig.max_num_seqs; V1's online-serving max_num_batched_tokens on a GPU under 70 GiB):
-# the scheduler's caps, and the tokens of the profiling forward whose activation peak the budget leaves room for.
-MAX_NUM_SEQS = 256
-MAX_NUM_BATCHED_TOKENS = 2048
+# The scheduler's caps, at its defaults (vLLM's: harness.serve.scheduler.SchedulerConfig), and the tokens of the
+# profiling forward whose activation peak the budget leaves room for.
+MAX_NUM_SEQS = SchedulerConfig.max_num_seqs
+MAX_NUM_BATCHED_TOKENS = SchedulerConfig.max_num_batched_tokens
 # Free blocks an admission must leave: vLLM's BlockSpaceManager watermark (0.01 of the blocks), which keeps the
 # running requests' next blocks from being taken by an arrival and so avoids preempting at once.
-WATERMARK = 0.01
+WATERMARK = SchedulerConfig.watermark
 
 
 # --- the budget ---------------------------------------------------------------------------------------------------

@@ -38,10 +38,14 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """vLLM's scheduler knobs (vllm/config/scheduler.py; watermark and preemption_mode are v0's)."""
+    """vLLM's scheduler knobs (vllm/config/scheduler.py; watermark and preemption_mode are v0's). Their defaults
+    here are the only ones: the serving config (experiments/serve.py) and the planner (harness.serve.capacity)
+    read them from this class."""
 
-    max_num_seqs: int = 256  # requests running at once (vLLM's default)
-    max_num_batched_tokens: int = 2048  # tokens computed per iteration, prefill and decode together
+    max_num_seqs: int = 256  # requests running at once (vLLM's SchedulerConfig default)
+    # tokens computed per iteration, prefill and decode together (vLLM V1's online-serving default on a GPU under
+    # 70 GiB); also the tokens of the planner's profiling forward, whose activation peak the budget leaves room for
+    max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True  # split a long prompt across iterations; False: a prompt goes whole
     watermark: float = 0.01  # fraction of the pool's blocks left free at admission, headroom for growth (v0's)
     preemption_mode: str = "recompute"  # recompute | swap
