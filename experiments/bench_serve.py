@@ -127,7 +127,8 @@ def write_run(a, sweep_id: str, run_id: str, engine: str, records, duration_s: f
     pool_bytes = a.num_blocks * a.block_size * kv_bytes_per_token(a.model, a.dtype)
     row |= {"sweep_id": sweep_id, "engine": engine, "strategy": "paged", "kv_dtype": a.dtype,
             "model": a.model, "device": a.device, "qps": float(a.qps), "num_blocks": a.num_blocks,
-            "block_size": a.block_size, "kv_budget_bytes": pool_bytes, "num_iterations": None,
+            "block_size": a.block_size, "max_num_seqs": a.max_num_seqs,
+            "max_num_batched_tokens": a.max_num_batched_tokens, "kv_budget_bytes": pool_bytes, "num_iterations": None,
             "predicted_max_running": None,
             "mean_kv_utilization": None, "peak_kv_utilization": None, "mean_step_ms": None,
             "mean_scheduler_ms": None}  # fmt: skip

@@ -258,6 +258,8 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
         "qps": float(cfg.qps) if cfg.trace is None else describe(p.requests)["offered_qps"],
         "num_blocks": p.num_blocks,
         "block_size": cfg.block_size,
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
         "kv_budget_bytes": p.budget.kv_bytes,
         "num_iterations": result.num_iterations,
         "predicted_max_running": p.predicted_max_running,

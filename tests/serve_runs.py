@@ -100,6 +100,8 @@ def write_run(
             "num_blocks": NUM_BLOCKS,
             "block_size": BLOCK_SIZE,
             "kv_budget_bytes": NUM_BLOCKS * BLOCK_SIZE * 1024,
+            "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
             "num_iterations": len(iterations),
             "predicted_max_running": predicted_max_running(strategy, [r.prompt_len for r in requests]),
             "mean_kv_utilization": sum(utilization) / len(utilization),

@@ -24,6 +24,7 @@ def test_bench_serve_prints_both_engines_the_ratio_and_equal_tokens(tmp_path, ca
         requests, _, row = load_run(run)
         assert len(requests) == 6 and (requests["output_len"] >= 4).all()
         engines.add(row["engine"])
+        assert (row["max_num_seqs"], row["max_num_batched_tokens"], row["block_size"]) == (4, 32, 8)
     assert engines == {"kvbench", "transformers-cb"}
 
 

@@ -22,6 +22,7 @@ from experiments import serve as app
 from harness.errors import ConfigError
 from harness.serve import capacity
 from harness.serve.rows import FAILED, FINISHED, RUNNING, load_run, read_manifest, serve_run_dir
+from harness.serve.scheduler import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny", "max_model_len=256", "block_size=16", "dtype=fp32"]
@@ -148,7 +149,8 @@ def test_the_summary_prints_the_slos_that_define_the_goodput_beside_it(slos, pri
 
 
 def test_a_run_writes_its_requests_iterations_and_run_row(tmp_path):
-    stream = ["kv_memory_gb=0.002", "num_prompts=12", "qps=inf", "prompt_len=40", "output_len=8", "run_id=one"]
+    stream = ["kv_memory_gb=0.002", "num_prompts=12", "qps=inf", "prompt_len=40", "output_len=8", "run_id=one",
+              "max_num_seqs=8", "max_num_batched_tokens=128"]  # fmt: skip
     result = cli(tmp_path, *TINY, *stream, "ttft_slo_ms=10s")
     assert result.returncode == 0, result.stderr
     assert "concurrency" in result.stdout and "planner predicted" in result.stdout
@@ -158,6 +160,7 @@ def test_a_run_writes_its_requests_iterations_and_run_row(tmp_path):
     assert iterations["num_decode_tokens"].sum() + iterations["num_prefill_tokens"].sum() >= 12 * (40 + 7)
     assert run["completed"] == 12 and run["engine"] == "kvbench" and run["strategy"] == "paged"
     assert run["predicted_max_running"] >= 1 and run["ttft_slo_ms"] == 10_000
+    assert (run["max_num_seqs"], run["max_num_batched_tokens"], run["block_size"]) == (8, 128, 16)  # its knobs
     assert json.loads(run["config_json"])["num_prompts"] == 12
     manifest = read_manifest(serve_run_dir(tmp_path, "one"))
     assert manifest["status"] == FINISHED and manifest["config"]["num_prompts"] == 12
@@ -214,6 +217,18 @@ def test_at_one_budget_paged_fits_more_than_contiguous_and_fp8_more_than_bf16():
                               (("contiguous", "bf16"), ("paged", "bf16"), ("paged", "fp8_e4m3")))  # fmt: skip
     assert paged > 2 * contiguous  # 3 slots of 256 tokens where requests hold ~64
     assert fp8 > 1.3 * paged  # 1 byte plus a 4-byte scale per 16 values, against 2 bytes: 1.6x the blocks
+
+
+def test_conf_serve_states_the_pool_block_and_the_scheduler_caps_at_the_schedulers_defaults():
+    stated = OmegaConf.load(ROOT / "conf" / "serve.yaml")
+    knobs = ("block_size", "max_num_seqs", "max_num_batched_tokens")
+    assert {name: stated[name] for name in knobs} == {"block_size": 16, "max_num_seqs": 256,
+                                                        "max_num_batched_tokens": 2048}  # fmt: skip
+    cfg = config()
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (SchedulerConfig.max_num_seqs,
+                                                              SchedulerConfig.max_num_batched_tokens)  # fmt: skip
+    assert cfg.block_size == app.ServeConfig.block_size == 16
+    assert config("experiment=serve-quick").max_num_batched_tokens == 256  # a preset's delta still wins
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("serve-*.yaml")))

@@ -58,6 +58,7 @@ def write_run(results_dir: Path, *, run_id: str, sweep_id: str, strategy: str, q
     context = {
         "sweep_id": sweep_id, "engine": "kvbench", "strategy": strategy, "kv_dtype": "bf16", "model": "tiny",
         "device": "cpu", "qps": qps, "num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE, "kv_budget_bytes": 2**20,
+        "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
         "num_iterations": len(iterations), "predicted_max_running": None, "mean_kv_utilization": sum(used) / len(used),
         "peak_kv_utilization": max(used), "mean_step_ms": sum(r["step_ms"] for r in iterations) / len(iterations),
         "mean_scheduler_ms": 0.0,

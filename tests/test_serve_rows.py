@@ -38,7 +38,8 @@ CONFIG = {"strategy": "paged", "qps": 4.0, "kv_memory_gb": 0.5}
 # The run row's context columns (rows.RUN_CONTEXT), as the engine fills them.
 CONTEXT = {
     "sweep_id": "20261201-120000", "engine": "kvbench", "strategy": "paged", "kv_dtype": "fp32", "model": "tiny", "device": "cpu",
-    "qps": float("inf"), "num_blocks": 64, "block_size": 16, "kv_budget_bytes": 2**20, "num_iterations": 9,
+    "qps": float("inf"), "num_blocks": 64, "block_size": 16, "kv_budget_bytes": 2**20, "max_num_seqs": 4,
+    "max_num_batched_tokens": 16, "num_iterations": 9,
     "predicted_max_running": None, "mean_kv_utilization": 0.25, "peak_kv_utilization": 0.5, "mean_step_ms": 3.0,
     "mean_scheduler_ms": 0.1,
 }  # fmt: skip
@@ -266,6 +267,17 @@ def test_with_a_skipped_list_an_unreadable_part_is_named_and_every_other_part_lo
     requests_df, _, _ = load_run(run_dir, skipped=skipped)
     assert requests_df["request_id"].tolist() == ["r0", "r2"]
     assert [line.partition(": ")[0] for line in skipped] == [str(bad)]
+
+
+def test_a_run_row_written_before_the_scheduler_caps_were_recorded_loads_them_as_null(run_dir):
+    with ServeRunWriter(run_dir) as writer:
+        writer.close({**run_metrics(records(), duration_s=1.0), **CONTEXT}, config=CONFIG)
+    path = run_dir / RUN_FILE
+    pq.write_table(pq.read_table(path).drop_columns(["max_num_seqs", "max_num_batched_tokens"]), path)  # as before
+    _, _, loaded = load_run(run_dir)
+    assert loaded["max_num_seqs"] is None and loaded["max_num_batched_tokens"] is None
+    assert loaded["block_size"] == 16 and loaded["completed"] == 3
+    assert read_run_table(path).schema.field("max_num_seqs").type == pa.int64()
 
 
 def test_a_run_row_written_before_max_running_requests_loads_its_old_figure_under_that_name(run_dir):

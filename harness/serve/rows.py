@@ -105,14 +105,17 @@ RUN_FIELDS += [_required("prefix_hit_rate", F64)]
 RUN_FIELDS += [_required(name, STR) for name in ("sweep_id", "engine", "strategy", "kv_dtype", "model", "device")]
 RUN_FIELDS += [_required("qps", F64)]  # requests/s; inf: every request at t = 0
 RUN_FIELDS += [_required(name, I64) for name in ("num_blocks", "block_size", "kv_budget_bytes")]
+# The scheduler's caps the run had (harness.serve.scheduler.SchedulerConfig); null: a run row written before they
+# were recorded (the committed reference's), whose config_json still holds them
+RUN_FIELDS += [pa.field(name, I64) for name in ("max_num_seqs", "max_num_batched_tokens")]
 RUN_FIELDS += [pa.field("num_iterations", I64)]  # null: an engine that does not say (the peer)
 RUN_FIELDS += [pa.field("predicted_max_running", I64)]  # harness.serve.capacity.predict_concurrency
 RUN_FIELDS += [pa.field(name, F64) for name in ("mean_kv_utilization", "peak_kv_utilization")]  # used / all blocks
 RUN_FIELDS += [pa.field(name, F64) for name in ("mean_step_ms", "mean_scheduler_ms")]  # per iteration, host clock
 RUN_CONTEXT = (
     "sweep_id", "engine", "strategy", "kv_dtype", "model", "device", "qps", "num_blocks", "block_size", "kv_budget_bytes",
-    "num_iterations", "predicted_max_running", "mean_kv_utilization", "peak_kv_utilization", "mean_step_ms",
-    "mean_scheduler_ms",
+    "max_num_seqs", "max_num_batched_tokens", "num_iterations", "predicted_max_running", "mean_kv_utilization",
+    "peak_kv_utilization", "mean_step_ms", "mean_scheduler_ms",
 )  # fmt: skip
 SCHEMAS = {"requests": REQUEST_SCHEMA, "iterations": ITERATION_SCHEMA}
 
@@ -347,13 +350,17 @@ def read_run_table(path: str | Path) -> pa.Table:
     """A run.parquet, in today's run columns. One written before max_running_requests existed (the committed
     reference's) counted, under max_concurrent_requests, the requests running (first scheduled to finished), which
     is today's max_running_requests: it loads under that name, and its max_concurrent_requests (queueing included)
-    as null, never measured. The file is not rewritten."""
+    as null, never measured. A nullable column added since the row was written (max_num_seqs and
+    max_num_batched_tokens, say) loads as null, at the end. The file is not rewritten."""
     table = pq.read_table(path)
     names = table.column_names
     if "max_running_requests" not in names and "max_concurrent_requests" in names:
         at = names.index("max_concurrent_requests")
         table = table.rename_columns(["max_running_requests" if n == "max_concurrent_requests" else n for n in names])
         table = table.add_column(at, pa.field("max_concurrent_requests", I64), pa.nulls(len(table), type=I64))
+    for field in RUN_FIELDS:
+        if field.nullable and field.name not in table.column_names:
+            table = table.append_column(field, pa.nulls(len(table), type=field.type))
     return table
 
 
