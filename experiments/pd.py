@@ -28,7 +28,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from harness import disagg, environment, transport
-from harness.config import DEVICES, DTYPES, ModelConfig, device_type
+from harness.config import DEVICES, DTYPES, ModelConfig, device_type, resolve_dtype
 from harness.errors import ConfigError, Unsupported, exit_on_config_error
 from harness.formats import BITS, KV_GROUP_SIZES
 from harness.model_args import PRESETS
@@ -64,7 +64,7 @@ class PdConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device: cuda requested but no CUDA device is available; allowed here: auto, cpu")
         on_cuda = device_type(self.device) == "cuda"
-        self.dtype = ("bf16" if on_cuda else "fp32") if self.dtype == "auto" else self.dtype
+        self.dtype = resolve_dtype(self.dtype, self.device)
         self.transports = self.transports or ["shm", "tcp", "gloo", *(["nccl"] if on_cuda else [])]
         self.kv_dtypes = self.kv_dtypes or (["bf16", "fp8_e4m3"] if on_cuda else ["fp32", "fp8_e4m3", "int4"])
         self.contexts = self.contexts or ([1024, 4096, 16384] if on_cuda else [128, 512, 1024])

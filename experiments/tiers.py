@@ -23,7 +23,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from harness import ceilings, tier_bandwidth
-from harness.config import DEVICES, ModelConfig, check_choice, device_type, resolve_kv_dtype
+from harness.config import DEVICES, ModelConfig, check_choice, resolve_dtype, resolve_kv_dtype
 from harness.errors import ConfigError, exit_on_config_error
 from harness.formats import COMPUTE_DTYPES, KV_DTYPES
 from harness.model_args import PRESETS
@@ -86,9 +86,7 @@ class TiersConfig:
 
     @property
     def dtype_name(self) -> str:
-        if self.dtype != "auto":
-            return self.dtype
-        return "bf16" if device_type(self.device) == "cuda" else "fp32"
+        return resolve_dtype(self.dtype, self.device)
 
     @property
     def kv_dtype_name(self) -> str:

@@ -339,6 +339,14 @@ def check_mla(args: ModelArgs, *, cache: str, mla_path: str, attn_impl: str = "s
         )
 
 
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The compute dtype a dtype names on a device ("auto", "cpu" or "cuda"): "auto" is bf16 on CUDA and fp32 on the
+    CPU (the CPU quickstart's), any other name is itself. The one place it is resolved, for the tiers and P/D."""
+    if dtype != "auto":
+        return dtype
+    return "bf16" if device_type(device) == "cuda" else "fp32"
+
+
 def resolve_kv_dtype(kv_dtype: str, dtype: str) -> str:
     """The KV storage format a kv_dtype names: "auto" is the compute dtype (vLLM's kv_cache_dtype="auto"), any
     other name is itself. The one place "auto" is resolved, for the decode runs, serving and the tiers."""

@@ -10,7 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import experiments.decode  # noqa: F401  (registers the run_config schema that conf/config.yaml extends)
-from harness.config import DTYPES, RunConfig, check_storable, resolve_kv_dtype
+from harness.config import DTYPES, RunConfig, check_storable, resolve_dtype, resolve_kv_dtype
 from harness.errors import ConfigError
 
 CONF = Path(__file__).parents[1] / "conf"
@@ -30,6 +30,12 @@ def test_defaults_are_valid():
 def test_kv_dtype_auto_resolves_to_the_compute_dtype_and_any_other_name_to_itself():
     assert resolve_kv_dtype("auto", "bf16") == "bf16" and resolve_kv_dtype("auto", "fp32") == "fp32"
     assert resolve_kv_dtype("fp8_e4m3", "bf16") == "fp8_e4m3" and resolve_kv_dtype("fp16", "fp32") == "fp16"
+
+
+def test_dtype_auto_resolves_to_bf16_on_cuda_and_fp32_on_the_cpu_and_any_other_name_to_itself():
+    assert resolve_dtype("auto", "cuda") == "bf16" and resolve_dtype("auto", "cpu") == "fp32"
+    assert resolve_dtype("auto", "auto") == ("bf16" if torch.cuda.is_available() else "fp32")
+    assert resolve_dtype("fp16", "cpu") == "fp16" and resolve_dtype("fp32", "cuda") == "fp32"
 
 
 def test_the_compute_dtype_table_is_one_table_that_serving_and_the_kv_formats_share():
