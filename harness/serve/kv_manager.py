@@ -13,9 +13,9 @@ After vLLM v1 (vllm/v1/core/block_pool.py, kv_cache_manager.py, single_type_kv_c
 - `ContiguousKVManager`: the pre-vLLM baseline (Orca, FasterTransformer): a slot of max_model_len tokens reserved
   per running request up front (Kwon et al. 2023, section 2.3: the reservation is the waste paging removes).
 
-Every manager answers the same calls: cached_prefix_tokens, can_allocate, allocate, free, block_table,
-peak_blocks, fits_alone, usage, prefix_hit_tokens, num_free_blocks. `num_tokens` is always the tokens a request holds K/V for
-once this iteration's tokens are computed (its computed tokens plus the new ones).
+Every manager answers the same calls, the `KVManager` protocol the scheduler is typed against. `num_tokens` is
+always the tokens a request holds K/V for once this iteration's tokens are computed (its computed tokens plus the
+new ones).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 from harness.errors import ConfigError, KVPoolExhausted
 from harness.serve.requests import Request
@@ -55,6 +56,44 @@ class KVUsage:
     blocks_cached: int  # prefix blocks kept in the cache, in use or not; 0 without prefix caching
     tokens_live: int  # tokens whose K/V a later query still reads, shared blocks counted once
     tokens_allocated: int  # blocks_used * block_size (contiguous: slots used * max_model_len)
+
+
+class KVManager(Protocol):
+    """What the scheduler asks of a pool's bookkeeping (vLLM v1's KVCacheManager: get_computed_blocks,
+    allocate_slots, free, get_block_ids, usage), whatever the strategy: blocks taken as a request grows
+    (PagedKVManager) or a slot reserved whole (ContiguousKVManager)."""
+
+    num_blocks: int
+    block_size: int  # tokens per block
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def cached_prefix_tokens(self, request: Request, num_tokens: int) -> int:
+        """Tokens of a request not holding blocks yet that the cache already has (a prefix hit); 0 without one."""
+        ...
+
+    def can_allocate(
+        self, request: Request, num_tokens: int, *, num_computed_tokens: int = 0, watermark_blocks: int = 0
+    ) -> bool: ...
+
+    def allocate(self, request: Request, num_tokens: int, *, num_computed_tokens: int = 0) -> list[int]:
+        """Grow the request to num_tokens tokens; returns the blocks taken new, in table order."""
+        ...
+
+    def free(self, request_id: int) -> None: ...
+
+    def block_table(self, request_id: int) -> list[int | None]:
+        """The request's physical block per logical block (None: freed by a window; [] for a slot)."""
+        ...
+
+    def peak_blocks(self, num_tokens: int, *, max_chunk_tokens: int) -> int: ...
+
+    def fits_alone(self, num_tokens: int, *, max_chunk_tokens: int, watermark_blocks: int) -> bool: ...
+
+    def prefix_hit_tokens(self, request_id: int) -> int: ...
+
+    def usage(self) -> KVUsage: ...
 
 
 class BlockPool:
@@ -330,7 +369,7 @@ def _check_pool(*, num_blocks: int, block_size: int) -> None:
 
 def make_kv_manager(
     strategy: str, *, num_blocks: int, block_size: int, max_model_len: int, sliding_window: int | None = None
-) -> PagedKVManager | ContiguousKVManager:
+) -> KVManager:
     """The manager for one of STRATEGIES over a pool of num_blocks blocks of block_size tokens."""
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy: must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
