@@ -23,12 +23,13 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from harness.errors import ConfigError, KVPoolExhausted
 from harness.serve.requests import Request
 
-STRATEGIES = ("contiguous", "paged", "prefix", "sliding")
+if TYPE_CHECKING:  # harness.kv imports torch; this module does not (see serving)
+    from harness.kv.base import Serving
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -367,19 +368,40 @@ def _check_pool(*, num_blocks: int, block_size: int) -> None:
             raise ConfigError(f"{name}: must be an integer >= 1, got {value!r}")
 
 
+def serving(strategy: str) -> Serving:
+    """How `strategy` serves, as its module declares it (harness.kv.base.Serving): a one-line ConfigError for a
+    strategy unknown or one that does not serve, with its reason and the strategies that do."""
+    from harness import kv  # here, not at the top: the bookkeeping stays torch-free
+
+    allowed = ", ".join(kv.serving_names())
+    if strategy not in kv.strategy_names():
+        raise ConfigError(f"strategy: unknown value {strategy!r}; allowed: {allowed}")
+    declared = kv.serving(strategy)
+    if not declared.serves:
+        raise ConfigError(f"strategy: {strategy} does not serve: {declared.refusal}; allowed: {allowed}")
+    return declared
+
+
+def check_window(strategy: str, sliding_window: int | None) -> None:
+    """sliding_window is set for a windowed strategy (its Serving.windowed) and for no other."""
+    from harness import kv
+
+    if serving(strategy).windowed != (sliding_window is not None):
+        windowed = ", ".join(name for name in kv.serving_names() if kv.serving(name).windowed)
+        raise ConfigError(f"sliding_window: must be set (tokens >= 1) for {windowed} only, got {sliding_window!r}")
+
+
 def make_kv_manager(
     strategy: str, *, num_blocks: int, block_size: int, max_model_len: int, sliding_window: int | None = None
 ) -> KVManager:
-    """The manager for one of STRATEGIES over a pool of num_blocks blocks of block_size tokens."""
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"strategy: must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    if (strategy == "sliding") != (sliding_window is not None):
-        raise ConfigError(f"sliding_window: must be set (tokens >= 1) for sliding only, got {sliding_window!r}")
-    if strategy == "contiguous":
+    """The manager of the pool `strategy` serves from (its Serving.pool), num_blocks blocks of block_size tokens."""
+    declared = serving(strategy)
+    check_window(strategy, sliding_window)
+    if not declared.paged:
         return ContiguousKVManager(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len)
     return PagedKVManager(
         num_blocks=num_blocks,
         block_size=block_size,
-        prefix_caching=strategy == "prefix",
+        prefix_caching=declared.shares_prefix,
         sliding_window=sliding_window,
     )
