@@ -126,25 +126,21 @@ class Engine:
             self.slot_of[request_id] = self.free_slots.pop()  # the scheduler admitted it: a slot is free
         return self.slot_of[request_id]
 
-    def _rows(self) -> dict[str, torch.Tensor]:
-        return self.cache.rows  # part name -> [L, N, H_kv, bs, width] (paged)
-
     def _swap(self, output: SchedulerOutput) -> None:
         """vLLM v0's swap, by the scheduler's block lists: the victims' blocks to the host before this forward
-        reuses them, and back into the blocks a readmission took new. Each is saved under its logical index, so a
-        window's rows return to their place in the table. Blocks, not slots: contiguous is never preempted."""
+        reuses them, and back into the blocks a readmission took new, through the pool's own block read and write
+        (harness.kv.paged.PagedCache.read_blocks / write_blocks: every part, K, V and a format's scales). Each is
+        saved under its logical index, so a window's rows return to their place in the table. Blocks, not slots: a
+        slot is never preempted."""
         for swap in output.swap_out:
-            index = torch.tensor(swap.blocks, dtype=torch.long, device=self.device)
-            rows = {name: part[:, index].to("cpu") for name, part in self._rows().items()}
+            rows = {name: part.to("cpu") for name, part in self.cache.read_blocks(list(swap.blocks)).items()}
             self.swapped[swap.request_id] = ({logical: i for i, logical in enumerate(swap.logical)}, rows)
         for swap in output.swap_in:
             position, rows = self.swapped.pop(swap.request_id)
             if not swap.blocks:  # all its blocks were found cached (prefix hits): nothing to copy
                 continue
             saved = torch.tensor([position[logical] for logical in swap.logical], dtype=torch.long)
-            index = torch.tensor(swap.blocks, dtype=torch.long, device=self.device)
-            for name, part in self._rows().items():
-                part[:, index] = rows[name][:, saved].to(self.device)
+            self.cache.write_blocks(list(swap.blocks), {name: part[:, saved] for name, part in rows.items()})
 
     def execute(self, output: SchedulerOutput) -> None:
         """Run one iteration's forward; append the sampled token of each request whose chunk reached its end."""
