@@ -30,8 +30,8 @@ from harness.config import DTYPES, ModelConfig, Workload, check_choice, device_t
 from harness.errors import ConfigError, exit_on_config_error
 from harness.model import build_model
 from harness.serve import capacity
-from harness.serve.engine import SERVE_KV_DTYPES, SERVE_STRATEGIES, Engine, build_cache, check_servable, serve
-from harness.serve.kv_manager import make_kv_manager, num_blocks_for
+from harness.serve.engine import SERVE_KV_DTYPES, Engine, build_cache, check_servable, serve
+from harness.serve.kv_manager import check_window, make_kv_manager, num_blocks_for, serving
 from harness.serve.metrics import parse_slo_ms, request_row, run_metrics
 from harness.serve.requests import RequestSpec, describe, generate, prompt_token_ids, read_trace
 from harness.serve.rows import ServeRunWriter, iteration_row, serve_run_dir
@@ -56,7 +56,7 @@ class ServeConfig:
     seed: int = 0
     # The KV pool: exactly one of kv_memory_gb (GiB of KV) and gpu_memory_utilization (vLLM's; the planner subtracts
     # weights, buffers, activations and runtime from that share of memory_gb, or of the device's memory).
-    strategy: str = "paged"  # contiguous | paged | prefix | sliding
+    strategy: str = "paged"  # one that serves (harness.kv.serving_names): contiguous | paged | prefix | sliding
     block_size: int = 16
     sliding_window: int | None = None  # sliding: tokens a query reads back (its own included)
     kv_memory_gb: float | None = None
@@ -113,13 +113,12 @@ class Plan:
 
 def plan(cfg: ServeConfig) -> Plan:
     """Every check, in the order a user fixes them; a ConfigError names the field."""
-    check_choice("strategy", cfg.strategy, SERVE_STRATEGIES)
+    served = serving(cfg.strategy)  # one line for a strategy unknown or that does not serve, with its reason
     check_choice("dtype", cfg.dtype, tuple(DTYPES))
     kv_dtype = resolve_kv_dtype(cfg.kv_dtype, cfg.dtype)
     check_choice("kv_dtype", kv_dtype, ("auto", *SERVE_KV_DTYPES))
     check_choice("preemption_mode", cfg.preemption_mode, ("recompute", "swap"))
-    if (cfg.strategy == "sliding") != (cfg.sliding_window is not None):
-        raise ConfigError(f"sliding_window: set it (tokens >= 1) with strategy=sliding only, got {cfg.sliding_window}")
+    check_window(cfg.strategy, cfg.sliding_window)
     device = device_type(cfg.device)
     for name in ("ttft_slo_ms", "tpot_slo_ms"):
         parse_slo_ms(getattr(cfg, name), name)
@@ -160,8 +159,8 @@ def plan(cfg: ServeConfig) -> Plan:
     for request in requests:
         probe.add_request(request)
     predicted = None
-    if cfg.strategy != "sliding":  # the planner models a window as a ring per request, not as paged blocks
-        options = {"block_size": cfg.block_size} if cfg.strategy != "contiguous" else {}
+    if not served.windowed:  # the planner models a window as a ring per request, not as paged blocks
+        options = {"block_size": cfg.block_size} if served.paged else {}
         workload = Workload(model=cfg.model, weights=cfg.weights, dtype=cfg.dtype, kv_dtype=kv_dtype,
                             cache={"name": cfg.strategy, **options})  # fmt: skip
         predicted = capacity.predict_concurrency(

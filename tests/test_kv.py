@@ -135,6 +135,13 @@ def test_strategies_are_discovered_and_each_has_a_config_file():
     assert set(names) <= {p.stem for p in CONF_CACHE.glob("*.yaml")}
 
 
+def test_every_strategy_declares_whether_it_serves_and_those_that_do_not_say_why():
+    declared = {name: kv.serving(name) for name in kv.strategy_names()}
+    assert all("declares no SERVING" not in serving.refusal for serving in declared.values()), declared
+    assert kv.serving_names() == ["contiguous", "paged", "prefix", "sliding"]  # the engine's, before SERVING
+    assert all(serving.refusal for name, serving in declared.items() if name not in kv.serving_names())
+
+
 def test_every_cache_config_names_a_strategy():
     for path in CONF_CACHE.glob("*.yaml"):
         text = path.read_text()

@@ -1,26 +1,34 @@
 """A strategy is one file: everything the planner, the roofline and the sweep know of it comes from its own module.
 
 This file is that module for a test-only strategy, `lastk`: a dense buffer of max_tokens + `headroom` slots per
-sequence, whose queries attend to their `keep` most recent keys only. It defines its Options, its cache (STRATEGY)
-and its layout knowledge (LAYOUT), joins harness.kv with kv.register, and nothing else in the harness is edited.
+sequence, whose queries attend to their `keep` most recent keys only. It defines its Options, its cache (STRATEGY),
+its layout knowledge (LAYOUT) and how it serves (SERVING: a slot per request, its cache read per sequence through
+harness.kv.varlen), joins harness.kv with kv.register, and nothing else in the harness is edited.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import pandas as pd
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
+from experiments import serve as serve_app
 from harness import kv
 from harness.config import RunConfig, Workload
 from harness.decode import generate
 from harness.errors import ConfigError, Unsupported
 from harness.formats import DTYPE_BYTES, PLAIN, QUANTIZED
-from harness.kv.base import CacheSpec, KVAllocation, Layout, grouped_attention
+from harness.kv import varlen
+from harness.kv.base import CacheSpec, KVAllocation, Layout, Serving, grouped_attention
+from harness.kv.quant import storage_format
 from harness.model import build_model
 from harness.model_args import ModelArgs
 from harness.plan import ledger as planner
@@ -28,7 +36,14 @@ from harness.roofline import decode_step_cost, kv_bytes_per_token_read
 from harness.roofline_row import roofline_columns
 from harness.run import sweep
 from harness.run.bench import config_columns
+from harness.serve.engine import Engine, build_cache, serve
+from harness.serve.kv_manager import make_kv_manager
+from harness.serve.requests import RequestSpec, prompt_token_ids
+from harness.serve.requests import generate as generate_requests
+from harness.serve.rows import serve_run_dir
+from harness.serve.scheduler import Scheduler, SchedulerConfig
 from harness.timing import StepTimer
+from tests.greedy import LOGIT_TOL, assert_same_greedy_tokens, greedy_with_logits
 
 NAME = "lastk"
 CPU = torch.device("cpu")
@@ -57,11 +72,30 @@ class LastKCache:
         self.spec, self.keep, self.n_tokens = spec, options.keep, 0
         shape = (spec.n_layers, 2, spec.batch_size, spec.n_kv_heads, spec.max_tokens + options.headroom, spec.head_dim)
         self.kv = torch.zeros(shape, dtype=spec.plain_dtype, device=spec.device)  # Unsupported for quantized formats
+        # Serving reads it per sequence (harness.kv.varlen): each side [L, B, H_kv, S, D], sequence i in row slots[i].
+        self.format, self.rows = storage_format(spec), {"k": self.kv[:, 0], "v": self.kv[:, 1]}
+        self._varlen: varlen.VarlenRows | None = None
 
-    def prepare(self, start_pos: int, n_new: int) -> None:
+    def prepare(self, start_pos: int | varlen.SeqBatch, n_new: int | None = None) -> None:
+        if isinstance(start_pos, varlen.SeqBatch):  # serving: sequences at their own positions, a slot each
+            batch = dataclasses.replace(start_pos, window=self.keep)  # its rule is a window of `keep` keys
+            slots = [slot for slot, n in zip(batch.slots, batch.n_new, strict=True) for _ in range(n)]
+            indices = {"decode": [[batch.slots[i]] for i in batch.decode_seqs]}
+            indices |= {i: [[batch.slots[i]]] for i in batch.prefill_seqs}
+            self._varlen = varlen.VarlenRows(self, batch, row_index=slots, col_index=batch.positions, indices=indices)
+            return
         self.n_tokens = start_pos + n_new
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
+    def gather_index(self, index: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """index [b, 1] slots -> (slot, position) of each sequence's first n positions, [b, n] each."""
+        positions = torch.arange(n, device=index.device)[None, :]
+        return index.expand(-1, n), positions.expand(index.shape[0], -1)
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int | varlen.SeqBatch
+    ) -> torch.Tensor:
+        if isinstance(start_pos, varlen.SeqBatch):
+            return varlen.attend(self, layer, q, k, v, self._varlen.batch, self._varlen)
         end = start_pos + k.shape[2]
         self.kv[layer, 0, :, :, start_pos:end] = k
         self.kv[layer, 1, :, :, start_pos:end] = v
@@ -109,6 +143,7 @@ class LastKLayout(Layout):
 
 STRATEGY = LastKCache
 LAYOUT = LastKLayout
+SERVING = Serving(pool="slots")  # a slot of max_model_len tokens per running request, a row of its own buffer
 
 
 @pytest.fixture(autouse=True)
@@ -188,3 +223,60 @@ def test_its_unsupported_combination_is_a_one_line_config_error_as_its_cache_ref
     spec = CacheSpec.for_model(ModelArgs.from_name("tiny"), batch_size=1, max_tokens=8, kv_dtype="int8", device=CPU)
     with pytest.raises(Unsupported):
         kv.build(NAME, spec, {})
+
+
+# --- serving: the same module serves a request stream -------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_MODEL_LEN = 64
+
+
+def serve_config(*overrides: str) -> serve_app.ServeConfig:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return OmegaConf.to_object(compose(config_name="serve", overrides=list(overrides)))
+
+
+def test_it_is_one_of_the_strategies_that_serve():
+    assert NAME in kv.serving_names() and kv.serving(NAME).pool == "slots"
+
+
+def test_it_serves_a_stream_with_the_concurrency_the_planner_predicts(tmp_path):
+    """experiments.serve end to end: plan (the planner's slots of LastKLayout.allocation), then the real engine.
+    0.000125 GiB of fp32 K/V holds 4 slots of 64 tokens (512 bytes a token), and 12 requests arrive at once."""
+    cfg = serve_config("model=tiny", "dtype=fp32", f"strategy={NAME}", f"max_model_len={MAX_MODEL_LEN}",
+                       "block_size=16", "kv_memory_gb=0.000125", "num_prompts=12", "qps=inf", "prompt_len=24",
+                       "output_len=8", "warmup=false")  # fmt: skip
+    p = serve_app.plan(cfg)
+    row = serve_app.run(p, run_dir=serve_run_dir(tmp_path, "r"), sweep_id="s")
+    assert row["completed"] == 12 and row["strategy"] == NAME
+    assert row["max_running_requests"] == row["predicted_max_running"] == 4
+
+
+def test_its_served_tokens_equal_its_own_cache_decoding_each_prompt_alone():
+    """Mixed lengths, prompts chunked across iterations beside decodes, in fp32: each request's greedy tokens are
+    those of its prompt decoded alone through a batch-1 LastKCache (keep=16 < most prompts: the rule matters)."""
+    args = ModelArgs.from_name("tiny")
+    model = build_model(args, dtype=torch.float32, device=CPU, seed=0, n_positions=MAX_MODEL_LEN)
+    spec = RequestSpec(num_prompts=10, qps=float("inf"), seed=1, prompt_len=24, prompt_dist="uniform",
+                       prompt_spread=0.6, output_len=12, output_dist="uniform", output_spread=0.5,
+                       max_model_len=MAX_MODEL_LEN)  # fmt: skip
+    requests = generate_requests(spec)
+    prompts = prompt_token_ids(requests, vocab_size=args.vocab_size, seed=1)
+    num_blocks, block_size = 64, 4  # 256 tokens: 4 slots of 64
+    manager = make_kv_manager(NAME, num_blocks=num_blocks, block_size=block_size, max_model_len=MAX_MODEL_LEN)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=16), manager)
+    cache, num_slots = build_cache(NAME, args, kv_dtype="fp32", num_blocks=num_blocks, block_size=block_size,
+                                   max_model_len=MAX_MODEL_LEN, device=CPU)  # fmt: skip
+    assert isinstance(cache, LastKCache) and num_slots == 4
+    iterations = []
+    result = serve(requests, prompts, scheduler=scheduler, engine=Engine(model, cache, num_slots=num_slots),
+                   on_iteration=lambda i, output, *_: iterations.append(output))  # fmt: skip
+    assert max(o.num_running for o in iterations) == 4
+    assert any(s.is_prefill and not s.samples_token for o in iterations for s in o.scheduled), "no chunked prompt"
+    for request, prompt in zip(requests, prompts, strict=True):
+        solo = CacheSpec.for_model(args, batch_size=1, max_tokens=len(prompt) + request.output_len, kv_dtype="fp32",
+                                   device=CPU)  # fmt: skip
+        expected, logits = greedy_with_logits(model, kv.build(NAME, solo, {}), torch.tensor([prompt]),
+                                              request.output_len)  # fmt: skip
+        actual = torch.tensor([result.outputs[request.request_id]])
+        assert_same_greedy_tokens(actual, expected, logits, tol=LOGIT_TOL["fp32"])

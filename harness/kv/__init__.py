@@ -2,8 +2,10 @@
 
 A strategy module defines `Options` (a frozen dataclass of its settings, validated in `__post_init__`), `STRATEGY`
 (its class, built as `STRATEGY(spec, options)`) and `LAYOUT` (a harness.kv.base.Layout: what it allocates, reads and
-cannot run for a workload, asked by the planner, the roofline and the sweep without building it). Adding one costs
-that file plus `conf/cache/NAME.yaml`; a module outside this package (a test's, a plugin's) joins with `register`.
+cannot run for a workload, asked by the planner, the roofline and the sweep without building it), and `SERVING` (a
+harness.kv.base.Serving: how harness.serve serves a stream from it, or why it does not; a module without one does
+not serve). Adding one costs that file plus `conf/cache/NAME.yaml`; a module outside this package (a test's, a
+plugin's) joins with `register`.
 """
 
 from __future__ import annotations
@@ -15,18 +17,21 @@ import pkgutil
 from types import ModuleType
 from typing import Any
 
-from harness.kv.base import CacheSpec, KVCache, Layout
+from harness.kv.base import CacheSpec, KVCache, Layout, Serving
 
 __all__ = [
     "CacheSpec",
     "KVCache",
     "Layout",
+    "Serving",
     "build",
     "later_option_defaults",
     "layout",
     "option_names",
     "parse_options",
     "register",
+    "serving",
+    "serving_names",
     "strategy_names",
 ]
 
@@ -44,7 +49,8 @@ _REGISTERED: dict[str, ModuleType] = {}  # name -> a strategy module from outsid
 
 
 def register(name: str, module: ModuleType) -> None:
-    """Make `module` (with Options, STRATEGY and LAYOUT) the strategy called `name`, beside the package's own."""
+    """Make `module` (with Options, STRATEGY and LAYOUT, and SERVING if it serves) the strategy called `name`, beside
+    the package's own."""
     for attribute in ("Options", "STRATEGY", "LAYOUT"):
         if not hasattr(module, attribute):
             raise TypeError(f"strategy {name!r}: module {module.__name__} defines no {attribute}")
@@ -110,3 +116,14 @@ def build(name: str, spec: CacheSpec, options: dict[str, Any]) -> KVCache:
 def layout(name: str, options: dict[str, Any]) -> Layout:
     """The strategy's knowledge of a workload (harness.kv.base.Layout), with these options."""
     return _module(name).LAYOUT(name, parse_options(name, options))
+
+
+def serving(name: str) -> Serving:
+    """How the strategy serves a request stream (harness.kv.base.Serving); a module declaring none does not."""
+    declared = getattr(_module(name), "SERVING", None)
+    return declared if declared is not None else Serving.refused(f"{name} declares no SERVING")
+
+
+def serving_names() -> list[str]:
+    """The strategies that serve, by their own SERVING."""
+    return [name for name in strategy_names() if serving(name).serves]

@@ -25,7 +25,7 @@ import torch
 
 from harness.errors import Unsupported
 from harness.kv import varlen
-from harness.kv.base import CacheSpec, Layout, attention, blocks_for, grouped_attention
+from harness.kv.base import CacheSpec, Layout, Serving, attention, blocks_for, grouped_attention
 from harness.kv.quant import FP8, Int4Kivi, TokenFormat, storage_format
 
 
@@ -297,3 +297,4 @@ class ContiguousLayout(Layout):
 
 STRATEGY = ContiguousCache
 LAYOUT = ContiguousLayout
+SERVING = Serving(pool="slots")  # a slot of max_model_len tokens per running request, its row of the buffers

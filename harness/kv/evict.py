@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from harness.errors import ConfigError, Unsupported
 from harness.formats import BITS, DTYPE_BYTES, QUANTIZED, SCALE_BYTES
 from harness.kv import varlen
-from harness.kv.base import CacheSpec, KVAllocation, Layout, attention, codec_transients, grouped_attention
+from harness.kv.base import CacheSpec, KVAllocation, Layout, Serving, attention, codec_transients, grouped_attention
 from harness.kv.quant import FP8, token_codec
 
 POLICIES = ("h2o", "snapkv", "knorm", "random")
@@ -342,3 +342,4 @@ class EvictLayout(Layout):
 
 STRATEGY = EvictCache
 LAYOUT = EvictLayout
+SERVING = Serving.refused("it keeps one eviction state per batch row, all rows moving in step")

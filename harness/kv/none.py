@@ -14,7 +14,7 @@ import torch
 from harness.errors import ConfigError, Unsupported
 from harness.formats import QUANTIZED
 from harness.kv import varlen
-from harness.kv.base import CacheSpec, KVAllocation, Layout, attention
+from harness.kv.base import CacheSpec, KVAllocation, Layout, Serving, attention
 
 
 @dataclass(frozen=True)
@@ -83,3 +83,4 @@ class NoCacheLayout(Layout):
 
 STRATEGY = NoCache
 LAYOUT = NoCacheLayout
+SERVING = Serving.refused("it keeps no KV to serve from (every step recomputes the whole sequence)")

@@ -24,7 +24,7 @@ from harness.errors import ConfigError, Unsupported
 from harness.formats import BITS, DTYPE_BYTES, QUANTIZED
 from harness.formats import PLAIN as PLAIN_NAMES
 from harness.kv import host, varlen
-from harness.kv.base import CacheSpec, KVAllocation, Layout, attention, cache_width
+from harness.kv.base import CacheSpec, KVAllocation, Layout, Serving, attention, cache_width
 
 
 @dataclass(frozen=True)
@@ -194,3 +194,6 @@ class OffloadLayout(Layout):
 
 STRATEGY = OffloadCache
 LAYOUT = OffloadLayout
+SERVING = Serving.refused(
+    "its two device slots stream the layers of one static batch, not sequences at their own lengths"
+)

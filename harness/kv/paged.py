@@ -40,6 +40,7 @@ from harness.kv.base import (
     CacheSpec,
     KVAllocation,
     Layout,
+    Serving,
     attention,
     blocks_for,
     cache_width,
@@ -541,3 +542,4 @@ class PagedLayout(Layout):
 
 STRATEGY = PagedCache
 LAYOUT = PagedLayout
+SERVING = Serving(pool="blocks")  # its own pool, the block tables kept by the scheduler

@@ -38,7 +38,7 @@ import torch
 
 from harness.errors import ConfigError, KVPoolExhausted, Unsupported
 from harness.kv import LATER_DEFAULT, paged, tiers, varlen
-from harness.kv.base import CacheSpec, Layout, blocks_for
+from harness.kv.base import CacheSpec, Layout, Serving, blocks_for
 from harness.kv.paged import PagedCache, PagedLayout
 
 
@@ -315,3 +315,4 @@ class PrefixLayout(PagedLayout):
 
 STRATEGY = PrefixCache
 LAYOUT = PrefixLayout
+SERVING = Serving(pool="blocks", storage="paged", shares_prefix=True)  # hits found by the scheduler's block hashes

@@ -37,6 +37,7 @@ from harness.kv.base import (
     CacheSpec,
     KVAllocation,
     Layout,
+    Serving,
     attention,
     cache_width,
     codec_transients,
@@ -285,3 +286,6 @@ class SlidingLayout(Layout):
 
 STRATEGY = SlidingCache
 LAYOUT = SlidingLayout
+# A ring per sequence cannot be addressed by block: served from the paged pool, under the window's mask, the
+# blocks before the window freed by the scheduler (vLLM's SlidingWindowManager); no sinks.
+SERVING = Serving(pool="blocks", storage="paged", windowed=True)

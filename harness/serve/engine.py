@@ -6,10 +6,10 @@ max_num_batched_tokens) and where their K/V go (block tables); `Engine.execute` 
 harness.model over a harness.kv.varlen.SeqBatch, samples greedily the requests that reached their last known token,
 and `Scheduler.update` advances them, finishing those at output_len and returning their blocks.
 
-The KV tensors are a harness.kv strategy's storage: `contiguous` (a slot of max_model_len tokens per running
-request, the engine choosing the slot) or a `paged` pool whose block tables come from the scheduler's KV manager
-(harness.serve.kv_manager), which also decides prefix sharing (`prefix`) and what a window frees (`sliding`, read
-under the window's mask). Preemption by recompute needs nothing here: the request's blocks are gone, and it
+The KV tensors are the storage a strategy's SERVING names (harness.kv.base.Serving): a slots pool (`contiguous`:
+a slot of max_model_len tokens per running request, the engine choosing the slot) or a blocks pool (`paged`) whose
+block tables come from the scheduler's KV manager (harness.serve.kv_manager), which also decides prefix sharing
+(`prefix`) and what a window frees (`sliding`, read under the window's mask). Preemption by recompute needs nothing here: the request's blocks are gone, and it
 re-prefills its prompt and outputs. Swap copies a victim's blocks to host memory before the forward that reuses
 them, and back into its new blocks when it is readmitted (vLLM v0's swap_out / swap_in).
 
@@ -31,11 +31,11 @@ from harness import kv
 from harness.errors import ConfigError
 from harness.kv.base import CacheSpec
 from harness.kv.varlen import SeqBatch, to_device
+from harness.serve.kv_manager import serving
 from harness.serve.metrics import RequestRecord
 from harness.serve.requests import Request
 from harness.serve.scheduler import Scheduler, SchedulerOutput
 
-SERVE_STRATEGIES = ("contiguous", "paged", "prefix", "sliding")  # harness.serve.kv_manager.STRATEGIES
 SERVE_KV_DTYPES = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8")  # per-token formats (not int4)
 
 
@@ -60,26 +60,27 @@ def build_cache(
     device: torch.device,
     dtype: str | None = None,
 ):
-    """The KV tensors of a serving pool of num_blocks blocks of block_size tokens, at kv_dtype. (cache, num_slots):
-    contiguous cuts the same tokens into num_slots = num_blocks·block_size // max_model_len slots of max_model_len
-    (None for a paged pool). args: the model's harness.model_args.ModelArgs."""
-    if strategy not in SERVE_STRATEGIES:
-        raise ConfigError(f"strategy: must be one of {', '.join(SERVE_STRATEGIES)}, got {strategy!r}")
+    """The KV tensors of a serving pool of num_blocks blocks of block_size tokens, at kv_dtype, in the cache of the
+    strategy's Serving.storage. (cache, num_slots): a slots pool cuts the same tokens into num_slots =
+    num_blocks·block_size // max_model_len slots of max_model_len (None for a blocks pool). args: the model's
+    harness.model_args.ModelArgs."""
+    declared = serving(strategy)
     if kv_dtype not in SERVE_KV_DTYPES:
         raise ConfigError(f"kv_dtype: serving stores per-token formats; allowed: {', '.join(SERVE_KV_DTYPES)}, "
                           f"got {kv_dtype!r}")  # fmt: skip
-    if strategy == "contiguous":
+    storage = declared.storage or strategy
+    if not declared.paged:
         num_slots = num_blocks * block_size // max_model_len
         if num_slots < 1:
             raise ConfigError(f"kv budget: {num_blocks * block_size} tokens hold no slot of max_model_len="
                               f"{max_model_len} tokens")  # fmt: skip
         spec = CacheSpec.for_model(args, batch_size=num_slots, max_tokens=max_model_len, kv_dtype=kv_dtype,
                                    device=device, dtype=dtype)  # fmt: skip
-        return kv.build("contiguous", spec, {}), num_slots
-    # One pool for paged, prefix and sliding: sharing and what the window frees are the scheduler's tables.
+        return kv.build(storage, spec, {}), num_slots
+    # One pool for every blocks strategy: sharing and what a window frees are the scheduler's tables.
     spec = CacheSpec.for_model(args, batch_size=1, max_tokens=block_size, kv_dtype=kv_dtype, device=device,
                                dtype=dtype)  # fmt: skip
-    return kv.build("paged", spec, {"block_size": block_size, "pool_tokens": num_blocks * block_size}), None
+    return kv.build(storage, spec, {"block_size": block_size, "pool_tokens": num_blocks * block_size}), None
 
 
 class Engine:
@@ -125,25 +126,21 @@ class Engine:
             self.slot_of[request_id] = self.free_slots.pop()  # the scheduler admitted it: a slot is free
         return self.slot_of[request_id]
 
-    def _rows(self) -> dict[str, torch.Tensor]:
-        return self.cache.rows  # part name -> [L, N, H_kv, bs, width] (paged)
-
     def _swap(self, output: SchedulerOutput) -> None:
         """vLLM v0's swap, by the scheduler's block lists: the victims' blocks to the host before this forward
-        reuses them, and back into the blocks a readmission took new. Each is saved under its logical index, so a
-        window's rows return to their place in the table. Blocks, not slots: contiguous is never preempted."""
+        reuses them, and back into the blocks a readmission took new, through the pool's own block read and write
+        (harness.kv.paged.PagedCache.read_blocks / write_blocks: every part, K, V and a format's scales). Each is
+        saved under its logical index, so a window's rows return to their place in the table. Blocks, not slots: a
+        slot is never preempted."""
         for swap in output.swap_out:
-            index = torch.tensor(swap.blocks, dtype=torch.long, device=self.device)
-            rows = {name: part[:, index].to("cpu") for name, part in self._rows().items()}
+            rows = {name: part.to("cpu") for name, part in self.cache.read_blocks(list(swap.blocks)).items()}
             self.swapped[swap.request_id] = ({logical: i for i, logical in enumerate(swap.logical)}, rows)
         for swap in output.swap_in:
             position, rows = self.swapped.pop(swap.request_id)
             if not swap.blocks:  # all its blocks were found cached (prefix hits): nothing to copy
                 continue
             saved = torch.tensor([position[logical] for logical in swap.logical], dtype=torch.long)
-            index = torch.tensor(swap.blocks, dtype=torch.long, device=self.device)
-            for name, part in self._rows().items():
-                part[:, index] = rows[name][:, saved].to(self.device)
+            self.cache.write_blocks(list(swap.blocks), {name: part[:, saved] for name, part in rows.items()})
 
     def execute(self, output: SchedulerOutput) -> None:
         """Run one iteration's forward; append the sampled token of each request whose chunk reached its end."""

@@ -13,9 +13,9 @@ After vLLM v1 (vllm/v1/core/block_pool.py, kv_cache_manager.py, single_type_kv_c
 - `ContiguousKVManager`: the pre-vLLM baseline (Orca, FasterTransformer): a slot of max_model_len tokens reserved
   per running request up front (Kwon et al. 2023, section 2.3: the reservation is the waste paging removes).
 
-Every manager answers the same calls: cached_prefix_tokens, can_allocate, allocate, free, block_table,
-peak_blocks, fits_alone, usage, prefix_hit_tokens, num_free_blocks. `num_tokens` is always the tokens a request holds K/V for
-once this iteration's tokens are computed (its computed tokens plus the new ones).
+Every manager answers the same calls, the `KVManager` protocol the scheduler is typed against. `num_tokens` is
+always the tokens a request holds K/V for once this iteration's tokens are computed (its computed tokens plus the
+new ones).
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from harness.errors import ConfigError, KVPoolExhausted
 from harness.serve.requests import Request
 
-STRATEGIES = ("contiguous", "paged", "prefix", "sliding")
+if TYPE_CHECKING:  # harness.kv imports torch; this module does not (see serving)
+    from harness.kv.base import Serving
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -55,6 +57,44 @@ class KVUsage:
     blocks_cached: int  # prefix blocks kept in the cache, in use or not; 0 without prefix caching
     tokens_live: int  # tokens whose K/V a later query still reads, shared blocks counted once
     tokens_allocated: int  # blocks_used * block_size (contiguous: slots used * max_model_len)
+
+
+class KVManager(Protocol):
+    """What the scheduler asks of a pool's bookkeeping (vLLM v1's KVCacheManager: get_computed_blocks,
+    allocate_slots, free, get_block_ids, usage), whatever the strategy: blocks taken as a request grows
+    (PagedKVManager) or a slot reserved whole (ContiguousKVManager)."""
+
+    num_blocks: int
+    block_size: int  # tokens per block
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def cached_prefix_tokens(self, request: Request, num_tokens: int) -> int:
+        """Tokens of a request not holding blocks yet that the cache already has (a prefix hit); 0 without one."""
+        ...
+
+    def can_allocate(
+        self, request: Request, num_tokens: int, *, num_computed_tokens: int = 0, watermark_blocks: int = 0
+    ) -> bool: ...
+
+    def allocate(self, request: Request, num_tokens: int, *, num_computed_tokens: int = 0) -> list[int]:
+        """Grow the request to num_tokens tokens; returns the blocks taken new, in table order."""
+        ...
+
+    def free(self, request_id: int) -> None: ...
+
+    def block_table(self, request_id: int) -> list[int | None]:
+        """The request's physical block per logical block (None: freed by a window; [] for a slot)."""
+        ...
+
+    def peak_blocks(self, num_tokens: int, *, max_chunk_tokens: int) -> int: ...
+
+    def fits_alone(self, num_tokens: int, *, max_chunk_tokens: int, watermark_blocks: int) -> bool: ...
+
+    def prefix_hit_tokens(self, request_id: int) -> int: ...
+
+    def usage(self) -> KVUsage: ...
 
 
 class BlockPool:
@@ -328,19 +368,40 @@ def _check_pool(*, num_blocks: int, block_size: int) -> None:
             raise ConfigError(f"{name}: must be an integer >= 1, got {value!r}")
 
 
+def serving(strategy: str) -> Serving:
+    """How `strategy` serves, as its module declares it (harness.kv.base.Serving): a one-line ConfigError for a
+    strategy unknown or one that does not serve, with its reason and the strategies that do."""
+    from harness import kv  # here, not at the top: the bookkeeping stays torch-free
+
+    allowed = ", ".join(kv.serving_names())
+    if strategy not in kv.strategy_names():
+        raise ConfigError(f"strategy: unknown value {strategy!r}; allowed: {allowed}")
+    declared = kv.serving(strategy)
+    if not declared.serves:
+        raise ConfigError(f"strategy: {strategy} does not serve: {declared.refusal}; allowed: {allowed}")
+    return declared
+
+
+def check_window(strategy: str, sliding_window: int | None) -> None:
+    """sliding_window is set for a windowed strategy (its Serving.windowed) and for no other."""
+    from harness import kv
+
+    if serving(strategy).windowed != (sliding_window is not None):
+        windowed = ", ".join(name for name in kv.serving_names() if kv.serving(name).windowed)
+        raise ConfigError(f"sliding_window: must be set (tokens >= 1) for {windowed} only, got {sliding_window!r}")
+
+
 def make_kv_manager(
     strategy: str, *, num_blocks: int, block_size: int, max_model_len: int, sliding_window: int | None = None
-) -> PagedKVManager | ContiguousKVManager:
-    """The manager for one of STRATEGIES over a pool of num_blocks blocks of block_size tokens."""
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"strategy: must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    if (strategy == "sliding") != (sliding_window is not None):
-        raise ConfigError(f"sliding_window: must be set (tokens >= 1) for sliding only, got {sliding_window!r}")
-    if strategy == "contiguous":
+) -> KVManager:
+    """The manager of the pool `strategy` serves from (its Serving.pool), num_blocks blocks of block_size tokens."""
+    declared = serving(strategy)
+    check_window(strategy, sliding_window)
+    if not declared.paged:
         return ContiguousKVManager(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len)
     return PagedKVManager(
         num_blocks=num_blocks,
         block_size=block_size,
-        prefix_caching=strategy == "prefix",
+        prefix_caching=declared.shares_prefix,
         sliding_window=sliding_window,
     )

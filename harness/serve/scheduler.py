@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from harness.errors import ConfigError
-from harness.serve.kv_manager import ContiguousKVManager, KVUsage, PagedKVManager, blocks_for
+from harness.serve.kv_manager import KVManager, KVUsage, blocks_for
 from harness.serve.metrics import RequestRecord
 from harness.serve.requests import Request
 
@@ -155,7 +155,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: PagedKVManager | ContiguousKVManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVManager) -> None:
         self.config, self.kv = config, kv_manager
         self.watermark_blocks = int(config.watermark * kv_manager.num_blocks)  # vLLM v0's rounding
         self.waiting: deque[RequestState] = deque()
