@@ -47,7 +47,7 @@ class Options:
             raise ValueError(f"cache.keep: must be a positive number of tokens, got {self.keep}")
 
 
-class LastKCache:
+class LastKCache(kv.KVCache):
     name: ClassVar[str] = NAME
     recomputes_prefix: ClassVar[bool] = False
     attn_backend: ClassVar[str] = "sdpa"

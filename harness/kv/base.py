@@ -1,4 +1,4 @@
-"""The small protocol every KV-cache strategy follows, and the attention they share.
+"""The small base every KV-cache strategy subclasses (KVCache), and the attention they share.
 
 A strategy owns the storage of past Keys and Values and answers one question per layer and step: "here are the
 new tokens' q, k, v; store k and v, then attend q over everything this sequence has seen". That keeps paging,
@@ -8,6 +8,7 @@ Queries are never cached: each one is used once, by the step that made it.
 
 Lifecycle, driven by `harness.decode`:
     cache = Strategy(spec, options)   # allocates (contiguous) or builds the pool (paged)
+    cache.prefill_prefix(model, prompt)   # once per prefill: the shared prefix's tokens it holds (0 but prefix)
     cache.prepare(start_pos, n_new)   # once per forward, before the layers: grow block tables, check capacity
     cache.attend(layer, q, k, v, start_pos)   # once per layer
     cache.release()                   # the sequences completed: return blocks, forget lengths
@@ -18,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -94,42 +95,68 @@ class CacheSpec:
         return PLAIN[self.kv_dtype]
 
 
-class KVCache(Protocol):
+class KVCache:
+    """The base every strategy's cache subclasses: the protocol the harness drives, and what a strategy declares it
+    can do. Callers ask the declaration, never probe for a method (issue #28 item 3); the defaults are the plain
+    case, which most strategies are."""
+
     name: ClassVar[str]
     # True only for the no-cache baseline: the decode loop then feeds the whole sequence at every step.
-    recomputes_prefix: ClassVar[bool]
-    attn_backend: str  # the decode attention that runs ("sdpa" unless the strategy has kernels of its own)
-    prefix_hit: bool | None  # a prefix cache: whether the last prefill found its prefix stored; None for any other
+    recomputes_prefix: ClassVar[bool] = False
+    # Whether decode steps can run at static shapes (enable_static_decode), so compile captures them.
+    supports_static_decode: ClassVar[bool] = False
+    attn_backend: str = "sdpa"  # the decode attention that runs ("sdpa" unless the strategy has kernels of its own)
+    # A prefix cache: whether the last prefill found its prefix stored; None for any other.
+    prefix_hit: bool | None = None
+    spec: CacheSpec  # the model and sweep point it is built for
 
-    def prepare(self, start_pos: int, n_new: int) -> None: ...
+    def prepare(self, start_pos: int, n_new: int) -> None:
+        raise NotImplementedError
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
         """q [B, H, T, D], k and v [B, H_kv, T, D] for positions start_pos..start_pos+T-1 -> [B, H, T, D]."""
-        ...
+        raise NotImplementedError
 
-    def release(self) -> None: ...
+    def release(self) -> None:
+        raise NotImplementedError
 
+    # --- declared capabilities ------------------------------------------------------------------------------
+    def prefill_prefix(
+        self, model: torch.nn.Module, prompt: torch.Tensor, *, prompt_ids: list[list[int]] | None = None
+    ) -> int:
+        """prompt [B, P]: make the prefix every sequence shares present (found stored, or computed into the cache);
+        return how many leading tokens it holds, which harness.decode's prefill then skips. 0: this strategy
+        shares no prefix, and the whole prompt runs (a prefix cache, harness.kv.prefix, overrides it)."""
+        return 0
+
+    def enable_static_decode(self) -> None:
+        """Prepare decode steps at static shapes (harness.decode.compile_decode_step). A strategy that declares
+        supports_static_decode overrides it."""
+        raise Unsupported(f"compile: cache {self.name} has no static-shape decode step")
+
+    # --- bytes ----------------------------------------------------------------------------------------------
     def kv_bytes_allocated(self) -> int:
         """Bytes of KV storage this strategy holds right now."""
-        ...
+        raise NotImplementedError
 
     def kv_bytes_live(self) -> int:
         """Bytes the tokens present actually need at the storage format's bits, scales excluded."""
-        ...
+        raise NotImplementedError
 
     def kv_scale_bytes(self) -> int:
         """Of kv_bytes_allocated, the bytes that hold quantization scales and zero points (0 for plain dtypes)."""
-        ...
+        raise NotImplementedError
 
     def kv_tail_bytes(self) -> int:
         """Of kv_bytes_allocated, the full-precision tail a format keeps beside its narrow storage (int4's
         residual window and incomplete key group; 0 otherwise)."""
-        ...
+        raise NotImplementedError
 
+    # --- rows -----------------------------------------------------------------------------------------------
     def peak_columns(self) -> dict[str, int]:
         """Row columns of the strategy's own, read at the peak beside kv_bytes_allocated (offload's kv_bytes_host,
         prefix caching's kv_bytes_shared); {} for most."""
-        ...
+        return {}
 
 
 def grouped_attention(

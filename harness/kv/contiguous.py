@@ -23,6 +23,7 @@ from typing import ClassVar
 
 import torch
 
+from harness import kv
 from harness.errors import Unsupported
 from harness.kv import varlen
 from harness.kv.base import CacheSpec, Layout, attention, blocks_for, grouped_attention
@@ -34,7 +35,7 @@ class Options:
     """`contiguous` takes no options: its size is the sweep point's prompt_len + gen_len."""
 
 
-class ContiguousCache:
+class ContiguousCache(kv.KVCache):
     name: ClassVar[str] = "contiguous"
     recomputes_prefix: ClassVar[bool] = False
     prefix_hit: ClassVar[None] = None
@@ -82,6 +83,8 @@ class ContiguousCache:
         from harness.kv import triton_paged  # imported on CUDA only: the CPU never pays for importing triton
 
         return triton_paged.kernel_unsupported(spec.kv_dtype, spec.device) is None
+
+    supports_static_decode: ClassVar[bool] = True  # decode steps at static shapes: enable_static_decode, below
 
     def enable_static_decode(self) -> None:
         """Prepare decode steps at static shapes (harness.decode.compile_decode_step): mark every tensor the step

@@ -52,6 +52,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from harness import kv
 from harness.errors import ConfigError, Unsupported
 from harness.formats import BITS, DTYPE_BYTES, QUANTIZED, SCALE_BYTES
 from harness.kv import varlen
@@ -83,7 +84,7 @@ class Options:
             raise ValueError("cache.window: snapkv needs an observation window of at least 1 token, got 0")
 
 
-class EvictCache:
+class EvictCache(kv.KVCache):
     name: ClassVar[str] = "evict"
     recomputes_prefix: ClassVar[bool] = False
     attn_backend: ClassVar[str] = "sdpa"

@@ -11,6 +11,7 @@ from typing import ClassVar
 
 import torch
 
+from harness import kv
 from harness.errors import ConfigError, Unsupported
 from harness.formats import QUANTIZED
 from harness.kv import varlen
@@ -22,7 +23,7 @@ class Options:
     """`none` takes no options."""
 
 
-class NoCache:
+class NoCache(kv.KVCache):
     name: ClassVar[str] = "none"
     recomputes_prefix: ClassVar[bool] = True
     attn_backend: ClassVar[str] = "sdpa"

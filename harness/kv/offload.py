@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import torch
 
+from harness import kv
 from harness.errors import ConfigError, Unsupported
 from harness.formats import BITS, DTYPE_BYTES, QUANTIZED
 from harness.formats import PLAIN as PLAIN_NAMES
@@ -83,7 +84,7 @@ class SyncTransfers:
         return torch.zeros(shape, dtype=dtype)
 
 
-class OffloadCache:
+class OffloadCache(kv.KVCache):
     name: ClassVar[str] = "offload"
     recomputes_prefix: ClassVar[bool] = False
     attn_backend: ClassVar[str] = "sdpa"

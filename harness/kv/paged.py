@@ -32,6 +32,7 @@ from typing import ClassVar
 
 import torch
 
+from harness import kv
 from harness.errors import ConfigError, KVPoolExhausted, Unsupported
 from harness.formats import BITS, DTYPE_BYTES, SCALE_BYTES
 from harness.formats import PLAIN as PLAIN_NAMES
@@ -110,7 +111,7 @@ def rows_per_block(block_size: int, tokens_per_row: int) -> int:
     )
 
 
-class PagedCache:
+class PagedCache(kv.KVCache):
     name: ClassVar[str] = "paged"
     recomputes_prefix: ClassVar[bool] = False
     prefix_hit: bool | None = None  # a prefix cache (harness.kv.prefix) sets it at every prefill
@@ -156,6 +157,8 @@ class PagedCache:
         # Set by enable_static_decode: [max_blocks * bs] positions for the length mask; the kernel's split count.
         self._positions: torch.Tensor | None = None
         self._static_splits: int | None = None
+
+    supports_static_decode: ClassVar[bool] = True  # decode steps at static shapes: enable_static_decode, below
 
     def enable_static_decode(self) -> None:
         """Prepare decode steps at static shapes (harness.decode.compile_decode_step): mark what the step reads as

@@ -29,6 +29,7 @@ from typing import ClassVar
 
 import torch
 
+from harness import kv
 from harness.errors import ConfigError, Unsupported
 from harness.formats import BITS, DTYPE_BYTES, QUANTIZED, SCALE_BYTES
 from harness.formats import PLAIN as PLAIN_NAMES
@@ -77,7 +78,7 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, *, window: int, sinks: in
     return (k_pos <= q_pos) & ((k_pos < sinks) | (q_pos - k_pos < window - sinks))
 
 
-class SlidingCache:
+class SlidingCache(kv.KVCache):
     name: ClassVar[str] = "sliding"
     recomputes_prefix: ClassVar[bool] = False
     attn_backend: ClassVar[str] = "sdpa"
