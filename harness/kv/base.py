@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -156,6 +157,12 @@ class KVCache:
     def peak_columns(self) -> dict[str, int]:
         """Row columns of the strategy's own, read at the peak beside kv_bytes_allocated (offload's kv_bytes_host,
         prefix caching's kv_bytes_shared); {} for most."""
+        return {}
+
+    def row_columns(self, ttft_ms: Callable[[], float], *, n: int) -> dict[str, Any]:
+        """Row columns of the strategy's own, measured after the timed generations by running more of them
+        (`ttft_ms`: one more generation, its TTFT; `n` of them per figure): a prefix cache's TTFT per tier below
+        device memory (harness.kv.prefix). {} for most."""
         return {}
 
 

@@ -28,10 +28,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Iterator
+import statistics
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -286,6 +287,44 @@ class PrefixCache(PagedCache):
         own = self.spec.batch_size * (self.n_tokens - self.n_shared_tokens)
         shared = len(self.refs) * self.block_size
         return int((own + shared) * self.spec.bytes_per_token)
+
+    def row_columns(self, ttft_ms: Callable[[], float], *, n: int) -> dict[str, Any]:
+        """The figures beyond the hits (ttft_ms): the TTFT of n generations whose prefix comes from each tier below
+        device memory, then recomputed; each a median. Where the point's first prefill found it. {} when there was no
+        whole block to share (prefix_len=0, or under a block): the cache measured as paged.
+
+        Host: the device copy forgotten (a server evicted it), the host tier still holds it. Disk: the host tier
+        emptied too, as in a new process. Recompute: the tiers bypassed, so neither a lookup nor the write-through
+        is timed."""
+        store = self.store
+
+        def median_ttft(before: Callable[[], None]) -> float:
+            ttfts = []
+            for _ in range(n):
+                before()
+                ttfts.append(ttft_ms())
+            return statistics.median(ttfts)
+
+        def from_disk() -> None:
+            self.forget_prefix()
+            store.drop_host()
+
+        if not self.prefix_sources:
+            return {}
+        columns = {"prefix_hit": self.prefix_hit, "prefix_source": self.prefix_sources[0]}
+        if store is None:
+            return columns | {"ttft_miss_ms": median_ttft(self.forget_prefix)}
+        if tiers.HOST in store.tiers:
+            columns["ttft_host_ms"] = median_ttft(self.forget_prefix)
+        if tiers.DISK in store.tiers:
+            first = len(store.transfers)
+            columns["ttft_disk_ms"] = median_ttft(from_disk)
+            reads = [t for t in store.transfers[first:] if t.direction == "read"]
+            seconds = sum(t.seconds for t in reads)
+            columns["prefix_disk_read_gbps"] = sum(t.n_bytes for t in reads) / seconds / 1e9 if seconds else None
+        with store.bypassed():
+            columns["ttft_miss_ms"] = median_ttft(self.forget_prefix)
+        return columns | {"prefix_bytes_stored": self.prefix_bytes(), "prefix_rejected_blocks": len(store.rejected)}
 
 
 class PrefixLayout(PagedLayout):
