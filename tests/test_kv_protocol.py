@@ -14,6 +14,7 @@ from harness import kv
 from harness.decode import generate
 from harness.errors import Unsupported
 from harness.kv.base import CacheSpec, KVCache
+from harness.kv.offload import OffloadCache, SyncTransfers
 from harness.timing import StepTimer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,3 +120,60 @@ def test_a_prefix_cache_with_no_whole_block_to_share_reports_no_row_columns(tiny
     cache, prompt = prefix_point(tiny_args, prefix_len=prefix_len)
     generation(tiny_model, cache, prompt, [0.0])()
     assert cache.row_columns(no_generation, n=2) == {}
+
+
+# --- bytes: counted once, by the base, from what each strategy says it stores ---------------------------------------
+
+
+@pytest.mark.parametrize("name", kv.strategy_names())
+def test_no_strategy_copies_the_byte_accounting_it_parametrizes_the_base_with_what_it_stores(name):
+    own = {method for cls in strategy_class(name).__mro__[:-2] for method in vars(cls)}  # below KVCache and object
+    assert not own & {"kv_bytes_allocated", "kv_scale_bytes", "kv_tail_bytes"}
+    # kv_bytes_live: the prefix cache counts a shared block once, its own rule
+    assert ("kv_bytes_live" in own) == (name == "prefix")
+
+
+# (kv_bytes_allocated, kv_bytes_live, kv_scale_bytes, kv_tail_bytes, peak_columns()) at the peak of a generation of 2
+# sequences, 12 prompt tokens (the first 8 shared) + 4 generated, on the tiny model in fp32: each strategy's own
+# accounting, recorded before the base took it over.
+PEAK_BYTES = {
+    ("contiguous", "fp32"): (16384, 15360, 0, 0, {}),
+    ("contiguous", "bf16"): (8192, 7680, 0, 0, {}),
+    ("contiguous", "int8"): (5120, 3840, 1024, 0, {}),
+    ("contiguous", "int4"): (15872, 1920, 8192, 5632, {}),
+    ("paged", "fp32"): (16384, 15360, 0, 0, {}),
+    ("paged", "bf16"): (8192, 7680, 0, 0, {}),
+    ("paged", "int8"): (5120, 3840, 1024, 0, {}),
+    ("paged", "int4"): (15872, 1920, 8192, 5632, {}),
+    ("prefix", "fp32"): (12288, 11264, 0, 0, {"kv_bytes_shared": 4096}),
+    ("prefix", "bf16"): (6144, 5632, 0, 0, {"kv_bytes_shared": 2048}),
+    ("prefix", "int8"): (3840, 2816, 768, 0, {"kv_bytes_shared": 1024}),
+    ("prefix", "int4"): (9216, 1408, 6144, 1536, {"kv_bytes_shared": 512}),
+    ("sliding", "fp32"): (8192, 8192, 0, 0, {}),
+    ("sliding", "bf16"): (4096, 4096, 0, 0, {}),
+    ("sliding", "int8"): (2560, 2048, 512, 0, {}),
+    ("evict", "fp32"): (8192, 8192, 0, 0, {}),
+    ("evict", "bf16"): (4096, 4096, 0, 0, {}),
+    ("evict", "int8"): (2560, 2048, 512, 0, {}),
+    ("none", "fp32"): (0, 0, 0, 0, {}),
+    ("offload", "fp32"): (32768, 15360, 0, 0, {"kv_bytes_host": 16384}),
+    ("offload", "bf16"): (16384, 7680, 0, 0, {"kv_bytes_host": 8192}),
+}
+OPTIONS = {"paged": {"block_size": 4}, "prefix": {"block_size": 4}, "sliding": {"window": 8, "sinks": 2},
+           "evict": {"policy": "h2o", "budget": 8, "window": 2}}  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "kv_dtype"), list(PEAK_BYTES))
+def test_the_base_counts_each_strategy_s_bytes_at_its_peak_as_the_strategy_did(tiny_model, tiny_args, name, kv_dtype):
+    # int4: groups of 4 tokens, a residual of 4 (prefix shares none of a private tail: kv_residual=0)
+    spec = CacheSpec.for_model(tiny_args, batch_size=2, max_tokens=16, kv_dtype=kv_dtype, device=CPU, prefix_len=8,
+                               kv_residual=0 if name == "prefix" else 4, kv_group_size=4, dtype="fp32")  # fmt: skip
+    if name == "offload":  # its host store on the CPU, copied synchronously
+        cache = OffloadCache(spec, kv.parse_options(name, {}), transfers=SyncTransfers())
+    else:
+        cache = kv.build(name, spec, OPTIONS.get(name, {}))
+    prompt = torch.randint(tiny_args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    prompt[1, :8] = prompt[0, :8]
+    generate(tiny_model, cache, prompt, 4, StepTimer(CPU, n_marks=4))
+    figures = (cache.kv_bytes_allocated(), cache.kv_bytes_live(), cache.kv_scale_bytes(), cache.kv_tail_bytes())
+    assert (*figures, cache.peak_columns()) == PEAK_BYTES[name, kv_dtype]

@@ -73,20 +73,8 @@ class LastKCache(kv.KVCache):
     def release(self) -> None:
         self.n_tokens = 0
 
-    def kv_bytes_allocated(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
-
-    def kv_bytes_live(self) -> int:
-        return int(self.n_tokens * self.spec.batch_size * self.spec.bytes_per_token)
-
-    def kv_scale_bytes(self) -> int:
-        return 0
-
-    def kv_tail_bytes(self) -> int:
-        return 0
-
-    def peak_columns(self) -> dict[str, int]:
-        return {}
+    def data_tensors(self) -> list[torch.Tensor]:
+        return [self.kv]  # the base counts its bytes (kv_bytes_allocated, kv_bytes_live from n_tokens)
 
 
 class LastKLayout(Layout):

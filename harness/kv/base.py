@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -96,6 +96,11 @@ class CacheSpec:
         return PLAIN[self.kv_dtype]
 
 
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes the tensors' elements take, together."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class KVCache:
     """The base every strategy's cache subclasses: the protocol the harness drives, and what a strategy declares it
     can do. Callers ask the declaration, never probe for a method (issue #28 item 3); the defaults are the plain
@@ -110,6 +115,7 @@ class KVCache:
     # A prefix cache: whether the last prefill found its prefix stored; None for any other.
     prefix_hit: bool | None = None
     spec: CacheSpec  # the model and sweep point it is built for
+    n_tokens: int = 0  # tokens seen per sequence (the sequences of a batch move in step)
 
     def prepare(self, start_pos: int, n_new: int) -> None:
         raise NotImplementedError
@@ -135,23 +141,41 @@ class KVCache:
         supports_static_decode overrides it."""
         raise Unsupported(f"compile: cache {self.name} has no static-shape decode step")
 
-    # --- bytes ----------------------------------------------------------------------------------------------
+    # --- bytes: the strategy says what it stores and how many tokens it holds; the base counts them --------------
+    def data_tensors(self) -> list[torch.Tensor]:
+        """The tensors holding K and V (or MLA's latent) at the storage format, wherever they live; [] for a strategy
+        that keeps none."""
+        return []
+
+    def scale_tensors(self) -> list[torch.Tensor]:
+        """The tensors holding quantization scales and zero points; [] for plain dtypes."""
+        return []
+
+    def tail_tensors(self) -> list[torch.Tensor]:
+        """The full-precision tail a format keeps beside its narrow storage (int4's); [] otherwise."""
+        return []
+
+    def tokens_held(self) -> int:
+        """Tokens each sequence has stored right now (the sequences of a batch move in step): those seen, or as many
+        as a window or a budget keeps of them."""
+        return self.n_tokens
+
     def kv_bytes_allocated(self) -> int:
-        """Bytes of KV storage this strategy holds right now."""
-        raise NotImplementedError
+        """Bytes of KV storage this strategy holds right now: data, scales and tail."""
+        return tensor_bytes([*self.data_tensors(), *self.scale_tensors(), *self.tail_tensors()])
 
     def kv_bytes_live(self) -> int:
         """Bytes the tokens present actually need at the storage format's bits, scales excluded."""
-        raise NotImplementedError
+        return int(self.tokens_held() * self.spec.batch_size * self.spec.bytes_per_token)
 
     def kv_scale_bytes(self) -> int:
         """Of kv_bytes_allocated, the bytes that hold quantization scales and zero points (0 for plain dtypes)."""
-        raise NotImplementedError
+        return tensor_bytes(self.scale_tensors())
 
     def kv_tail_bytes(self) -> int:
         """Of kv_bytes_allocated, the full-precision tail a format keeps beside its narrow storage (int4's
         residual window and incomplete key group; 0 otherwise)."""
-        raise NotImplementedError
+        return tensor_bytes(self.tail_tensors())
 
     # --- rows -----------------------------------------------------------------------------------------------
     def peak_columns(self) -> dict[str, int]:

@@ -272,22 +272,14 @@ class ContiguousCache(kv.KVCache):
     def release(self) -> None:
         self.n_tokens = 0  # the buffers stay reserved for the next batch, as in gpt-fast
 
-    def kv_bytes_allocated(self) -> int:
-        # Data, scales, and the int4 full-precision tail (format.tensors()).
-        tensors = [*self.buffers, *self.scales.values(), *self.format.tensors()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+    def data_tensors(self) -> list[torch.Tensor]:
+        return self.buffers
 
-    def kv_bytes_live(self) -> int:
-        return int(self.n_tokens * self.spec.batch_size * self.spec.bytes_per_token)
+    def scale_tensors(self) -> list[torch.Tensor]:
+        return list(self.scales.values())
 
-    def kv_scale_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.scales.values())
-
-    def kv_tail_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.format.tensors())
-
-    def peak_columns(self) -> dict[str, int]:
-        return {}
+    def tail_tensors(self) -> list[torch.Tensor]:
+        return self.format.tensors()  # int4's full-precision tail; none for the other formats
 
 
 class ContiguousLayout(Layout):

@@ -146,18 +146,9 @@ class OffloadCache(kv.KVCache):
     def kv_bytes_host(self) -> int:
         return self.host.numel() * self.host.element_size()
 
-    def kv_bytes_allocated(self) -> int:
+    def data_tensors(self) -> list[torch.Tensor]:
         """Host store plus the two device slots; kv_bytes_host() tells them apart."""
-        return self.kv_bytes_host() + self.staging.numel() * self.staging.element_size()
-
-    def kv_bytes_live(self) -> int:
-        return int(self.n_tokens * self.spec.batch_size * self.spec.bytes_per_token)
-
-    def kv_scale_bytes(self) -> int:
-        return 0
-
-    def kv_tail_bytes(self) -> int:
-        return 0
+        return [self.host, self.staging]
 
     def peak_columns(self) -> dict[str, int]:
         return {"kv_bytes_host": self.kv_bytes_host()}  # how much of it sits in host memory

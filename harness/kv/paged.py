@@ -445,23 +445,16 @@ class PagedCache(kv.KVCache):
     def blocks_in_use(self) -> int:
         return sum(len(blocks) for blocks in self.tables)
 
-    def kv_bytes_allocated(self) -> int:
-        # Data and scales for every block, and the int4 full-precision tail (format.tensors(): per sequence,
-        # outside the pool, at most kv_residual + kv_group_size - 1 tokens).
-        tensors = [*self.pools, *self.scales.values(), *self.format.tensors()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+    def data_tensors(self) -> list[torch.Tensor]:
+        return self.pools  # every block, in use or free
 
-    def kv_bytes_live(self) -> int:
-        return int(self.n_tokens * self.spec.batch_size * self.spec.bytes_per_token)
+    def scale_tensors(self) -> list[torch.Tensor]:
+        return list(self.scales.values())
 
-    def kv_scale_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.scales.values())
-
-    def kv_tail_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.format.tensors())
-
-    def peak_columns(self) -> dict[str, int]:
-        return {}
+    def tail_tensors(self) -> list[torch.Tensor]:
+        # int4's full-precision tail (format.tensors()): per sequence, outside the pool, at most kv_residual +
+        # kv_group_size - 1 tokens
+        return self.format.tensors()
 
 
 def flashinfer_page_lists(
