@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from harness import kv
+from harness.config import Workload
 from harness.decode import generate
-from harness.errors import Unsupported
+from harness.errors import ConfigError, Unsupported
 from harness.kv.base import CacheSpec, KVCache
 from harness.kv.offload import OffloadCache, SyncTransfers
 from harness.timing import StepTimer
@@ -22,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = re.compile(r"\b(?:getattr|hasattr)\(\s*(?:getattr\(\s*)?[\w.]*cache\b")
 CPU = torch.device("cpu")
 STATIC_DECODE = {"contiguous", "paged", "prefix"}  # check_compilable's message names them: the allowed list
+LATENT = {"contiguous", "paged"}  # MLA's latent: contiguous and paged only (harness.config.check_mla's message)
 
 
 def strategy_class(name: str) -> type:
@@ -57,6 +59,15 @@ def test_a_strategy_declares_static_decode_exactly_when_it_has_a_static_decode_s
 @pytest.mark.parametrize("name", kv.strategy_names())
 def test_only_the_prefix_cache_fills_a_shared_prefix(name):
     assert overrides(strategy_class(name), "prefill_prefix") == (name == "prefix")
+
+
+@pytest.mark.parametrize("name", kv.strategy_names())
+def test_a_strategy_declares_whether_it_stores_mla_s_latent_and_a_workload_asks_the_declaration(name):
+    stores = kv.layout(name, {}).stores_latent
+    assert stores == (name in LATENT)
+    if not stores:
+        with pytest.raises(ConfigError, match=rf"^cache.name: {name} does not store .*allowed: contiguous, paged$"):
+            Workload(model={"name": "mla-tiny"}, cache={"name": name}, dtype="fp32")
 
 
 def test_the_base_holds_no_prefix_and_has_no_static_decode_step():

@@ -320,6 +320,8 @@ class Layout:
     recomputes_prefix: ClassVar[bool] = False
     # Whether the strategy drops K/V some query would attend to (a sliding window), so accuracy is measured.
     lossy: ClassVar[bool] = False
+    # Whether the cache stores MLA's latent (CacheSpec.latent_v_dim: K = [c_kv | k_rope], V its first channels).
+    stores_latent: ClassVar[bool] = False
 
     def __init__(self, name: str, options: Any) -> None:
         self.name, self.options = name, options

@@ -285,6 +285,8 @@ class ContiguousCache(kv.KVCache):
 class ContiguousLayout(Layout):
     """The dense default (harness.kv.base.Layout): max_tokens rows per sequence, every key read in place."""
 
+    stores_latent: ClassVar[bool] = True
+
     def mixed_batch(self, spec: CacheSpec, lengths: list[int]) -> ContiguousCache:
         """Every request reserves the longest it may become (spec.max_tokens), as servers before vLLM did."""
         return ContiguousCache(spec, self.options)

@@ -473,6 +473,8 @@ class PagedLayout(Layout):
     """A pool of blocks: pool_tokens rounded up to blocks, or by default exactly what the point needs at its peak;
     reads gather whole blocks through the table (the CPU path; a kernel on CUDA reads them in place)."""
 
+    stores_latent: ClassVar[bool] = True
+
     def shared_blocks(self, w) -> int:
         """Blocks every sequence's table shares, held once (prefix caching); 0 here."""
         return 0

@@ -330,6 +330,8 @@ class PrefixCache(PagedCache):
 class PrefixLayout(PagedLayout):
     """Paged, with the prefix's whole shared units held once for the batch and skipped by a hit's prefill."""
 
+    stores_latent: ClassVar[bool] = False  # paged storage, but MLA runs were scoped to contiguous and paged only
+
     def prefix_tokens(self, w) -> int:
         unit = shared_unit(block_size=self.options.block_size, kv_dtype=w.kv_dtype_name, kv_group_size=w.kv_group_size)
         return shared_tokens(prefix_len=w.prefix_len, prompt_len=w.prompt_len, unit=unit)
