@@ -148,7 +148,7 @@ class Workload:
             raise ConfigError(f"cache.name: missing; allowed: {', '.join(kv.strategy_names())}")
         kv.parse_options(self.cache["name"], self.cache_options)
         args = self.model_args()
-        check_mla(args, cache=self.cache["name"], mla_path=self.mla_path, attn_impl=self.attn_impl)
+        check_mla(args, layout=self.layout(), mla_path=self.mla_path, attn_impl=self.attn_impl)
         width = args.cache_head_dim  # what each cached row holds: head_dim, or MLA's latent width
         if self.kv_dtype_name == "int4" and width % self.kv_group_size:
             raise ConfigError(
@@ -322,20 +322,19 @@ class RunConfig(Workload):
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-MLA_CACHES = ("contiguous", "paged")  # the strategies that store MLA's latent (CacheSpec.latent_v_dim)
-
-
-def check_mla(args: ModelArgs, *, cache: str, mla_path: str, attn_impl: str = "sdpa") -> None:
-    """MLA's latent is stored by contiguous and paged only; mla_path chooses between MLA's two decode paths. Eager
-    attention is not modelled for MLA (harness.plan.activations_mla counts SDPA's transients only)."""
+def check_mla(args: ModelArgs, *, layout: kv.Layout, mla_path: str, attn_impl: str = "sdpa") -> None:
+    """MLA's latent is stored by the strategies that declare it (Layout.stores_latent); mla_path chooses between
+    MLA's two decode paths. Eager attention is not modelled for MLA (harness.plan.activations_mla counts SDPA's
+    transients only)."""
     check_choice("mla_path", mla_path, MLA_PATHS)
     if args.is_mla and attn_impl != "sdpa":
         raise ConfigError(f"attn_impl: {attn_impl} is not modelled for {args.name}'s MLA attention; allowed: sdpa")
     if not args.is_mla and mla_path != "absorbed":
         raise ConfigError(f"mla_path: {mla_path} decodes MLA models; {args.name} is not MLA; allowed: absorbed")
-    if args.is_mla and cache not in MLA_CACHES:
+    if args.is_mla and not layout.stores_latent:
+        allowed = [name for name in kv.strategy_names() if kv.layout(name, {}).stores_latent]
         raise ConfigError(
-            f"cache.name: {cache} does not store {args.name}'s MLA latent; allowed: {', '.join(MLA_CACHES)}"
+            f"cache.name: {layout.name} does not store {args.name}'s MLA latent; allowed: {', '.join(allowed)}"
         )
 
 

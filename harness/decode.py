@@ -37,10 +37,9 @@ def prefill_logits(
     prompt_ids: the same ids on the host as lists of ints, where a server keeps them; a prefix cache hashes them
     there, so that looking a prefix up never copies the prompt back from the device (a sync). Without them the cache
     copies the prompt itself."""
-    # Optional hook `prefill_prefix(model, prompt, prompt_ids) -> int` (harness.kv.prefix): the cache fills the prefix
-    # every sequence shares (or finds it cached) and says how many leading tokens it holds; only the rest runs here.
-    prefill_prefix = getattr(cache, "prefill_prefix", None)
-    cached = prefill_prefix(model, prompt, prompt_ids=prompt_ids) if prefill_prefix is not None else 0
+    # The cache fills the prefix every sequence shares (or finds it cached) and says how many leading tokens it holds
+    # (harness.kv.prefix; 0 for a strategy that shares none); only the rest runs here.
+    cached = cache.prefill_prefix(model, prompt, prompt_ids=prompt_ids)
     return model(prompt[:, cached:], start_pos=cached, cache=cache, last_only=True)[:, -1]  # [B, V]
 
 
@@ -84,7 +83,7 @@ def check_compilable(cache: KVCache, *, mode: str, device: torch.device) -> None
         raise ValueError(f"compile: unknown mode {mode!r}; allowed: none, {', '.join(COMPILE_MODES)}")
     if mode == "reduce-overhead" and device.type != "cuda":
         raise Unsupported(f"compile: reduce-overhead captures CUDA graphs, and this point runs on {device.type}")
-    if not hasattr(cache, "enable_static_decode"):
+    if not cache.supports_static_decode:
         raise Unsupported(
             f"compile: cache {cache.name} has no static-shape decode step (its K/V move by ring, stream or "
             "recomputation); allowed: contiguous, paged, prefix"

@@ -247,7 +247,7 @@ def profile_decode(
     device = torch.device(device)
     batch, prompt_len = prompt.shape
     n_positions = prompt_len + 1 + n_steps  # prompt, warm-up step, profiled steps
-    capacity = min(model.n_positions, getattr(getattr(cache, "spec", None), "max_tokens", model.n_positions))
+    capacity = min(model.n_positions, cache.spec.max_tokens)
     if n_steps < 1 or n_positions > capacity:
         raise ValueError(
             f"profile: n_steps {n_steps} after a {prompt_len}-token prompt needs {n_positions} positions "

@@ -62,7 +62,7 @@ class Options:
             raise ValueError(f"cache.keep: must be a positive number of tokens, got {self.keep}")
 
 
-class LastKCache:
+class LastKCache(kv.KVCache):
     name: ClassVar[str] = NAME
     recomputes_prefix: ClassVar[bool] = False
     attn_backend: ClassVar[str] = "sdpa"
@@ -107,20 +107,8 @@ class LastKCache:
     def release(self) -> None:
         self.n_tokens = 0
 
-    def kv_bytes_allocated(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
-
-    def kv_bytes_live(self) -> int:
-        return int(self.n_tokens * self.spec.batch_size * self.spec.bytes_per_token)
-
-    def kv_scale_bytes(self) -> int:
-        return 0
-
-    def kv_tail_bytes(self) -> int:
-        return 0
-
-    def peak_columns(self) -> dict[str, int]:
-        return {}
+    def data_tensors(self) -> list[torch.Tensor]:
+        return [self.kv]  # the base counts its bytes (kv_bytes_allocated, kv_bytes_live from n_tokens)
 
 
 class LastKLayout(Layout):

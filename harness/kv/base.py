@@ -1,4 +1,4 @@
-"""The small protocol every KV-cache strategy follows, and the attention they share.
+"""The small base every KV-cache strategy subclasses (KVCache), and the attention they share.
 
 A strategy owns the storage of past Keys and Values and answers one question per layer and step: "here are the
 new tokens' q, k, v; store k and v, then attend q over everything this sequence has seen". That keeps paging,
@@ -8,6 +8,7 @@ Queries are never cached: each one is used once, by the step that made it.
 
 Lifecycle, driven by `harness.decode`:
     cache = Strategy(spec, options)   # allocates (contiguous) or builds the pool (paged)
+    cache.prefill_prefix(model, prompt)   # once per prefill: the shared prefix's tokens it holds (0 but prefix)
     cache.prepare(start_pos, n_new)   # once per forward, before the layers: grow block tables, check capacity
     cache.attend(layer, q, k, v, start_pos)   # once per layer
     cache.release()                   # the sequences completed: return blocks, forget lengths
@@ -17,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -94,42 +96,98 @@ class CacheSpec:
         return PLAIN[self.kv_dtype]
 
 
-class KVCache(Protocol):
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes the tensors' elements take, together."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class KVCache:
+    """The base every strategy's cache subclasses: the protocol the harness drives, and what a strategy declares it
+    can do. Callers ask the declaration, never probe for a method (issue #28 item 3); the defaults are the plain
+    case, which most strategies are."""
+
     name: ClassVar[str]
     # True only for the no-cache baseline: the decode loop then feeds the whole sequence at every step.
-    recomputes_prefix: ClassVar[bool]
-    attn_backend: str  # the decode attention that runs ("sdpa" unless the strategy has kernels of its own)
-    prefix_hit: bool | None  # a prefix cache: whether the last prefill found its prefix stored; None for any other
+    recomputes_prefix: ClassVar[bool] = False
+    # Whether decode steps can run at static shapes (enable_static_decode), so compile captures them.
+    supports_static_decode: ClassVar[bool] = False
+    attn_backend: str = "sdpa"  # the decode attention that runs ("sdpa" unless the strategy has kernels of its own)
+    # A prefix cache: whether the last prefill found its prefix stored; None for any other.
+    prefix_hit: bool | None = None
+    spec: CacheSpec  # the model and sweep point it is built for
+    n_tokens: int = 0  # tokens seen per sequence (the sequences of a batch move in step)
 
-    def prepare(self, start_pos: int, n_new: int) -> None: ...
+    def prepare(self, start_pos: int, n_new: int) -> None:
+        raise NotImplementedError
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
         """q [B, H, T, D], k and v [B, H_kv, T, D] for positions start_pos..start_pos+T-1 -> [B, H, T, D]."""
-        ...
+        raise NotImplementedError
 
-    def release(self) -> None: ...
+    def release(self) -> None:
+        raise NotImplementedError
+
+    # --- declared capabilities ------------------------------------------------------------------------------
+    def prefill_prefix(
+        self, model: torch.nn.Module, prompt: torch.Tensor, *, prompt_ids: list[list[int]] | None = None
+    ) -> int:
+        """prompt [B, P]: make the prefix every sequence shares present (found stored, or computed into the cache);
+        return how many leading tokens it holds, which harness.decode's prefill then skips. 0: this strategy
+        shares no prefix, and the whole prompt runs (a prefix cache, harness.kv.prefix, overrides it)."""
+        return 0
+
+    def enable_static_decode(self) -> None:
+        """Prepare decode steps at static shapes (harness.decode.compile_decode_step). A strategy that declares
+        supports_static_decode overrides it."""
+        raise Unsupported(f"compile: cache {self.name} has no static-shape decode step")
+
+    # --- bytes: the strategy says what it stores and how many tokens it holds; the base counts them --------------
+    def data_tensors(self) -> list[torch.Tensor]:
+        """The tensors holding K and V (or MLA's latent) at the storage format, wherever they live; [] for a strategy
+        that keeps none."""
+        return []
+
+    def scale_tensors(self) -> list[torch.Tensor]:
+        """The tensors holding quantization scales and zero points; [] for plain dtypes."""
+        return []
+
+    def tail_tensors(self) -> list[torch.Tensor]:
+        """The full-precision tail a format keeps beside its narrow storage (int4's); [] otherwise."""
+        return []
+
+    def tokens_held(self) -> int:
+        """Tokens each sequence has stored right now (the sequences of a batch move in step): those seen, or as many
+        as a window or a budget keeps of them."""
+        return self.n_tokens
 
     def kv_bytes_allocated(self) -> int:
-        """Bytes of KV storage this strategy holds right now."""
-        ...
+        """Bytes of KV storage this strategy holds right now: data, scales and tail."""
+        return tensor_bytes([*self.data_tensors(), *self.scale_tensors(), *self.tail_tensors()])
 
     def kv_bytes_live(self) -> int:
         """Bytes the tokens present actually need at the storage format's bits, scales excluded."""
-        ...
+        return int(self.tokens_held() * self.spec.batch_size * self.spec.bytes_per_token)
 
     def kv_scale_bytes(self) -> int:
         """Of kv_bytes_allocated, the bytes that hold quantization scales and zero points (0 for plain dtypes)."""
-        ...
+        return tensor_bytes(self.scale_tensors())
 
     def kv_tail_bytes(self) -> int:
         """Of kv_bytes_allocated, the full-precision tail a format keeps beside its narrow storage (int4's
         residual window and incomplete key group; 0 otherwise)."""
-        ...
+        return tensor_bytes(self.tail_tensors())
 
+    # --- rows -----------------------------------------------------------------------------------------------
     def peak_columns(self) -> dict[str, int]:
         """Row columns of the strategy's own, read at the peak beside kv_bytes_allocated (offload's kv_bytes_host,
         prefix caching's kv_bytes_shared); {} for most."""
-        ...
+        return {}
+
+    def row_columns(self, ttft_ms: Callable[[], float], *, n: int) -> dict[str, Any]:
+        """Row columns of the strategy's own, measured after the timed generations by running more of them
+        (`ttft_ms`: one more generation, its TTFT; `n` of them per figure): a prefix cache's TTFT per tier below
+        device memory (harness.kv.prefix). {} for most."""
+        return {}
 
 
 def grouped_attention(
@@ -262,6 +320,8 @@ class Layout:
     recomputes_prefix: ClassVar[bool] = False
     # Whether the strategy drops K/V some query would attend to (a sliding window), so accuracy is measured.
     lossy: ClassVar[bool] = False
+    # Whether the cache stores MLA's latent (CacheSpec.latent_v_dim: K = [c_kv | k_rope], V its first channels).
+    stores_latent: ClassVar[bool] = False
 
     def __init__(self, name: str, options: Any) -> None:
         self.name, self.options = name, options

@@ -23,6 +23,7 @@ from typing import ClassVar
 
 import torch
 
+from harness import kv
 from harness.errors import Unsupported
 from harness.kv import varlen
 from harness.kv.base import CacheSpec, Layout, Serving, attention, blocks_for, grouped_attention
@@ -34,7 +35,7 @@ class Options:
     """`contiguous` takes no options: its size is the sweep point's prompt_len + gen_len."""
 
 
-class ContiguousCache:
+class ContiguousCache(kv.KVCache):
     name: ClassVar[str] = "contiguous"
     recomputes_prefix: ClassVar[bool] = False
     prefix_hit: ClassVar[None] = None
@@ -82,6 +83,8 @@ class ContiguousCache:
         from harness.kv import triton_paged  # imported on CUDA only: the CPU never pays for importing triton
 
         return triton_paged.kernel_unsupported(spec.kv_dtype, spec.device) is None
+
+    supports_static_decode: ClassVar[bool] = True  # decode steps at static shapes: enable_static_decode, below
 
     def enable_static_decode(self) -> None:
         """Prepare decode steps at static shapes (harness.decode.compile_decode_step): mark every tensor the step
@@ -269,26 +272,20 @@ class ContiguousCache:
     def release(self) -> None:
         self.n_tokens = 0  # the buffers stay reserved for the next batch, as in gpt-fast
 
-    def kv_bytes_allocated(self) -> int:
-        # Data, scales, and the int4 full-precision tail (format.tensors()).
-        tensors = [*self.buffers, *self.scales.values(), *self.format.tensors()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+    def data_tensors(self) -> list[torch.Tensor]:
+        return self.buffers
 
-    def kv_bytes_live(self) -> int:
-        return int(self.n_tokens * self.spec.batch_size * self.spec.bytes_per_token)
+    def scale_tensors(self) -> list[torch.Tensor]:
+        return list(self.scales.values())
 
-    def kv_scale_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.scales.values())
-
-    def kv_tail_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.format.tensors())
-
-    def peak_columns(self) -> dict[str, int]:
-        return {}
+    def tail_tensors(self) -> list[torch.Tensor]:
+        return self.format.tensors()  # int4's full-precision tail; none for the other formats
 
 
 class ContiguousLayout(Layout):
     """The dense default (harness.kv.base.Layout): max_tokens rows per sequence, every key read in place."""
+
+    stores_latent: ClassVar[bool] = True
 
     def mixed_batch(self, spec: CacheSpec, lengths: list[int]) -> ContiguousCache:
         """Every request reserves the longest it may become (spec.max_tokens), as servers before vLLM did."""

@@ -52,6 +52,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from harness import kv
 from harness.errors import ConfigError, Unsupported
 from harness.formats import BITS, DTYPE_BYTES, QUANTIZED, SCALE_BYTES
 from harness.kv import varlen
@@ -83,7 +84,7 @@ class Options:
             raise ValueError("cache.window: snapkv needs an observation window of at least 1 token, got 0")
 
 
-class EvictCache:
+class EvictCache(kv.KVCache):
     name: ClassVar[str] = "evict"
     recomputes_prefix: ClassVar[bool] = False
     attn_backend: ClassVar[str] = "sdpa"
@@ -231,21 +232,14 @@ class EvictCache:
     def release(self) -> None:
         self.n_tokens = 0  # the slots stay reserved for the next batch; stale ones are never read
 
-    def kv_bytes_allocated(self) -> int:
-        return sum(part.numel() * part.element_size() for part in self.storage.values())
+    def data_tensors(self) -> list[torch.Tensor]:
+        return [self.storage["data"]]
 
-    def kv_bytes_live(self) -> int:
-        held = min(self.n_tokens, self.n_slots)
-        return int(held * self.spec.batch_size * self.spec.bytes_per_token)
+    def scale_tensors(self) -> list[torch.Tensor]:
+        return [part for name, part in self.storage.items() if name != "data"]  # fp8/int8: "scale"
 
-    def kv_scale_bytes(self) -> int:
-        return sum(part.numel() * part.element_size() for name, part in self.storage.items() if name != "data")
-
-    def kv_tail_bytes(self) -> int:
-        return 0
-
-    def peak_columns(self) -> dict[str, int]:
-        return {}
+    def tokens_held(self) -> int:
+        return min(self.n_tokens, self.n_slots)
 
 
 def _as_bytes(x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import torch
 
+from harness import kv
 from harness.errors import ConfigError, Unsupported
 from harness.formats import BITS, DTYPE_BYTES, QUANTIZED
 from harness.formats import PLAIN as PLAIN_NAMES
@@ -83,7 +84,7 @@ class SyncTransfers:
         return torch.zeros(shape, dtype=dtype)
 
 
-class OffloadCache:
+class OffloadCache(kv.KVCache):
     name: ClassVar[str] = "offload"
     recomputes_prefix: ClassVar[bool] = False
     attn_backend: ClassVar[str] = "sdpa"
@@ -145,18 +146,9 @@ class OffloadCache:
     def kv_bytes_host(self) -> int:
         return self.host.numel() * self.host.element_size()
 
-    def kv_bytes_allocated(self) -> int:
+    def data_tensors(self) -> list[torch.Tensor]:
         """Host store plus the two device slots; kv_bytes_host() tells them apart."""
-        return self.kv_bytes_host() + self.staging.numel() * self.staging.element_size()
-
-    def kv_bytes_live(self) -> int:
-        return int(self.n_tokens * self.spec.batch_size * self.spec.bytes_per_token)
-
-    def kv_scale_bytes(self) -> int:
-        return 0
-
-    def kv_tail_bytes(self) -> int:
-        return 0
+        return [self.host, self.staging]
 
     def peak_columns(self) -> dict[str, int]:
         return {"kv_bytes_host": self.kv_bytes_host()}  # how much of it sits in host memory

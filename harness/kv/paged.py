@@ -32,6 +32,7 @@ from typing import ClassVar
 
 import torch
 
+from harness import kv
 from harness.errors import ConfigError, KVPoolExhausted, Unsupported
 from harness.formats import BITS, DTYPE_BYTES, SCALE_BYTES
 from harness.formats import PLAIN as PLAIN_NAMES
@@ -111,7 +112,7 @@ def rows_per_block(block_size: int, tokens_per_row: int) -> int:
     )
 
 
-class PagedCache:
+class PagedCache(kv.KVCache):
     name: ClassVar[str] = "paged"
     recomputes_prefix: ClassVar[bool] = False
     prefix_hit: bool | None = None  # a prefix cache (harness.kv.prefix) sets it at every prefill
@@ -157,6 +158,8 @@ class PagedCache:
         # Set by enable_static_decode: [max_blocks * bs] positions for the length mask; the kernel's split count.
         self._positions: torch.Tensor | None = None
         self._static_splits: int | None = None
+
+    supports_static_decode: ClassVar[bool] = True  # decode steps at static shapes: enable_static_decode, below
 
     def enable_static_decode(self) -> None:
         """Prepare decode steps at static shapes (harness.decode.compile_decode_step): mark what the step reads as
@@ -443,23 +446,16 @@ class PagedCache:
     def blocks_in_use(self) -> int:
         return sum(len(blocks) for blocks in self.tables)
 
-    def kv_bytes_allocated(self) -> int:
-        # Data and scales for every block, and the int4 full-precision tail (format.tensors(): per sequence,
-        # outside the pool, at most kv_residual + kv_group_size - 1 tokens).
-        tensors = [*self.pools, *self.scales.values(), *self.format.tensors()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+    def data_tensors(self) -> list[torch.Tensor]:
+        return self.pools  # every block, in use or free
 
-    def kv_bytes_live(self) -> int:
-        return int(self.n_tokens * self.spec.batch_size * self.spec.bytes_per_token)
+    def scale_tensors(self) -> list[torch.Tensor]:
+        return list(self.scales.values())
 
-    def kv_scale_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.scales.values())
-
-    def kv_tail_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.format.tensors())
-
-    def peak_columns(self) -> dict[str, int]:
-        return {}
+    def tail_tensors(self) -> list[torch.Tensor]:
+        # int4's full-precision tail (format.tensors()): per sequence, outside the pool, at most kv_residual +
+        # kv_group_size - 1 tokens
+        return self.format.tensors()
 
 
 def flashinfer_page_lists(
@@ -477,6 +473,8 @@ def flashinfer_page_lists(
 class PagedLayout(Layout):
     """A pool of blocks: pool_tokens rounded up to blocks, or by default exactly what the point needs at its peak;
     reads gather whole blocks through the table (the CPU path; a kernel on CUDA reads them in place)."""
+
+    stores_latent: ClassVar[bool] = True
 
     def shared_blocks(self, w) -> int:
         """Blocks every sequence's table shares, held once (prefix caching); 0 here."""

@@ -16,11 +16,12 @@ most block_size - 1 tokens per sequence. int4 (KIVI) also shares whole key group
 all its tokens), and needs kv_residual=0: its full-precision tail is private to each sequence and overwritten by
 the batch's decode, so a later batch could not find the prefix's newest tokens there (Unsupported otherwise).
 
-The decode hook (harness.decode.prefill): `prefill_prefix(model, prompt, prompt_ids) -> int` computes the shared
-prefix once on a miss (one batch-1 forward pass into fresh blocks), points every sequence's table at it, and returns
-the number of leading tokens every sequence now holds; prefill then runs the rest with start_pos at that number. The
-prefix is looked up by the prompt's ids on the host (prompt_ids), as a server holds them. With spec.prefix_len == 0
-(or shorter than a block) it returns 0 and the cache behaves exactly like `paged`.
+The decode hook (KVCache.prefill_prefix, which harness.decode.prefill calls on every cache; 0 for the others):
+`prefill_prefix(model, prompt, prompt_ids) -> int` computes the shared prefix once on a miss (one batch-1 forward
+pass into fresh blocks), points every sequence's table at it, and returns the number of leading tokens every
+sequence now holds; prefill then runs the rest with start_pos at that number. The prefix is looked up by the
+prompt's ids on the host (prompt_ids), as a server holds them. With spec.prefix_len == 0 (or shorter than a block)
+it returns 0 and the cache behaves exactly like `paged`.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Iterator
+import statistics
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -287,9 +289,49 @@ class PrefixCache(PagedCache):
         shared = len(self.refs) * self.block_size
         return int((own + shared) * self.spec.bytes_per_token)
 
+    def row_columns(self, ttft_ms: Callable[[], float], *, n: int) -> dict[str, Any]:
+        """The figures beyond the hits (ttft_ms): the TTFT of n generations whose prefix comes from each tier below
+        device memory, then recomputed; each a median. Where the point's first prefill found it. {} when there was no
+        whole block to share (prefix_len=0, or under a block): the cache measured as paged.
+
+        Host: the device copy forgotten (a server evicted it), the host tier still holds it. Disk: the host tier
+        emptied too, as in a new process. Recompute: the tiers bypassed, so neither a lookup nor the write-through
+        is timed."""
+        store = self.store
+
+        def median_ttft(before: Callable[[], None]) -> float:
+            ttfts = []
+            for _ in range(n):
+                before()
+                ttfts.append(ttft_ms())
+            return statistics.median(ttfts)
+
+        def from_disk() -> None:
+            self.forget_prefix()
+            store.drop_host()
+
+        if not self.prefix_sources:
+            return {}
+        columns = {"prefix_hit": self.prefix_hit, "prefix_source": self.prefix_sources[0]}
+        if store is None:
+            return columns | {"ttft_miss_ms": median_ttft(self.forget_prefix)}
+        if tiers.HOST in store.tiers:
+            columns["ttft_host_ms"] = median_ttft(self.forget_prefix)
+        if tiers.DISK in store.tiers:
+            first = len(store.transfers)
+            columns["ttft_disk_ms"] = median_ttft(from_disk)
+            reads = [t for t in store.transfers[first:] if t.direction == "read"]
+            seconds = sum(t.seconds for t in reads)
+            columns["prefix_disk_read_gbps"] = sum(t.n_bytes for t in reads) / seconds / 1e9 if seconds else None
+        with store.bypassed():
+            columns["ttft_miss_ms"] = median_ttft(self.forget_prefix)
+        return columns | {"prefix_bytes_stored": self.prefix_bytes(), "prefix_rejected_blocks": len(store.rejected)}
+
 
 class PrefixLayout(PagedLayout):
     """Paged, with the prefix's whole shared units held once for the batch and skipped by a hit's prefill."""
+
+    stores_latent: ClassVar[bool] = False  # paged storage, but MLA runs were scoped to contiguous and paged only
 
     def prefix_tokens(self, w) -> int:
         unit = shared_unit(block_size=self.options.block_size, kv_dtype=w.kv_dtype_name, kv_group_size=w.kv_group_size)

@@ -29,6 +29,7 @@ from typing import ClassVar
 
 import torch
 
+from harness import kv
 from harness.errors import ConfigError, Unsupported
 from harness.formats import BITS, DTYPE_BYTES, QUANTIZED, SCALE_BYTES
 from harness.formats import PLAIN as PLAIN_NAMES
@@ -78,7 +79,7 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, *, window: int, sinks: in
     return (k_pos <= q_pos) & ((k_pos < sinks) | (q_pos - k_pos < window - sinks))
 
 
-class SlidingCache:
+class SlidingCache(kv.KVCache):
     name: ClassVar[str] = "sliding"
     recomputes_prefix: ClassVar[bool] = False
     attn_backend: ClassVar[str] = "sdpa"
@@ -198,21 +199,14 @@ class SlidingCache:
         self.n_tokens = 0  # the slots stay reserved for the next batch; stale ones are never read
         self.step = None
 
-    def kv_bytes_allocated(self) -> int:
-        return sum(part.numel() * part.element_size() for part in self.storage.values())
+    def data_tensors(self) -> list[torch.Tensor]:
+        return [self.storage["data"]]
 
-    def kv_bytes_live(self) -> int:
-        held = min(self.n_tokens, self.n_slots)
-        return int(held * self.spec.batch_size * self.spec.bytes_per_token)
+    def scale_tensors(self) -> list[torch.Tensor]:
+        return [part for name, part in self.storage.items() if name != "data"]  # fp8/int8: "scale"
 
-    def kv_scale_bytes(self) -> int:
-        return sum(part.numel() * part.element_size() for name, part in self.storage.items() if name != "data")
-
-    def kv_tail_bytes(self) -> int:
-        return 0
-
-    def peak_columns(self) -> dict[str, int]:
-        return {}
+    def tokens_held(self) -> int:
+        return min(self.n_tokens, self.n_slots)
 
 
 class SlidingLayout(Layout):

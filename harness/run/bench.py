@@ -7,7 +7,6 @@ import hashlib
 import json
 import logging
 import math
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from harness.environment import environment_columns
 from harness.errors import Unsupported
 from harness.formats import EXACT_REFERENCE
 from harness.host_noise import HostNoiseWindow
-from harness.kv import tiers
 from harness.kv.base import CacheSpec
 from harness.model import build_model, weights_bytes
 from harness.probes import MemoryProbe
@@ -101,8 +99,8 @@ def run_point(cfg: RunConfig) -> PointResult:
         )
         samples = measurement.samples
         probe.end_timed(n_tokens=len(samples) * cfg.batch_size * cfg.gen_len)
-        if cache.prefix_hit is not None:  # a prefix cache: TTFT by where its prefix comes from
-            row |= prefix_columns(cache, run_once, n=cfg.min_repeats)
+        # The strategy's own figures measured by more generations (a prefix cache: TTFT by where its prefix comes from)
+        row |= cache.row_columns(lambda: run_once().ttft_ms, n=cfg.min_repeats)
 
     row |= summarize(samples, batch_size=cfg.batch_size, prompt_len=cfg.prompt_len)
     row |= convergence_columns(measurement) | host_columns | {"retries": retries}
@@ -247,43 +245,6 @@ def make_prompts(cfg: RunConfig, *, vocab_size: int) -> torch.Tensor:
     prompts = torch.randint(vocab_size, (cfg.batch_size, cfg.prompt_len), generator=generator)
     prompts[:, : cfg.prefix_len] = prompts[0, : cfg.prefix_len].clone()
     return prompts
-
-
-def prefix_columns(cache, run_once, *, n: int) -> dict:
-    """A prefix cache's figures beyond its hits (ttft_ms): the TTFT of n generations whose prefix comes from each of
-    its tiers below device memory, then recomputed; each a median. Where the point's first prefill found it.
-
-    Host: the device copy forgotten (a server evicted it), the host tier still holds it. Disk: the host tier emptied
-    too, as in a new process. Recompute: the tiers bypassed, so neither a lookup nor the write-through is timed."""
-    store = cache.store
-
-    def median_ttft(before) -> float:
-        ttfts = []
-        for _ in range(n):
-            before()
-            ttfts.append(run_once().ttft_ms)
-        return statistics.median(ttfts)
-
-    def from_disk() -> None:
-        cache.forget_prefix()
-        store.drop_host()
-
-    if not cache.prefix_sources:  # no whole block to share (prefix_len=0, or under a block): a paged cache
-        return {}
-    columns = {"prefix_hit": cache.prefix_hit, "prefix_source": cache.prefix_sources[0]}
-    if store is None:
-        return columns | {"ttft_miss_ms": median_ttft(cache.forget_prefix)}
-    if tiers.HOST in store.tiers:
-        columns["ttft_host_ms"] = median_ttft(cache.forget_prefix)
-    if tiers.DISK in store.tiers:
-        first = len(store.transfers)
-        columns["ttft_disk_ms"] = median_ttft(from_disk)
-        reads = [t for t in store.transfers[first:] if t.direction == "read"]
-        seconds = sum(t.seconds for t in reads)
-        columns["prefix_disk_read_gbps"] = sum(t.n_bytes for t in reads) / seconds / 1e9 if seconds else None
-    with store.bypassed():
-        columns["ttft_miss_ms"] = median_ttft(cache.forget_prefix)
-    return columns | {"prefix_bytes_stored": cache.prefix_bytes(), "prefix_rejected_blocks": len(store.rejected)}
 
 
 def is_lossy(cfg: RunConfig) -> bool:

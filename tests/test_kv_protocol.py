@@ -1,0 +1,190 @@
+"""The cache protocol is whole (issue #28 item 3): every strategy's cache subclasses harness.kv.base.KVCache, says
+what it can do, and the harness asks the declaration instead of probing the cache for a method."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import kv
+from harness.config import Workload
+from harness.decode import generate
+from harness.errors import ConfigError, Unsupported
+from harness.kv.base import CacheSpec, KVCache
+from harness.kv.offload import OffloadCache, SyncTransfers
+from harness.timing import StepTimer
+
+ROOT = Path(__file__).resolve().parents[1]
+# getattr(cache, ...), hasattr(self.cache, ...), getattr(getattr(cache, "spec", None), ...): a capability probed
+PROBE = re.compile(r"\b(?:getattr|hasattr)\(\s*(?:getattr\(\s*)?[\w.]*cache\b")
+CPU = torch.device("cpu")
+STATIC_DECODE = {"contiguous", "paged", "prefix"}  # check_compilable's message names them: the allowed list
+LATENT = {"contiguous", "paged"}  # MLA's latent: contiguous and paged only (harness.config.check_mla's message)
+
+
+def strategy_class(name: str) -> type:
+    return importlib.import_module(f"harness.kv.{name}").STRATEGY
+
+
+def overrides(cls: type, method: str) -> bool:
+    return getattr(cls, method) is not getattr(KVCache, method)
+
+
+def test_no_caller_outside_the_strategies_probes_a_cache_with_getattr_or_hasattr():
+    probes = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in sorted((ROOT / "harness").rglob("*.py"))
+        if (ROOT / "harness" / "kv") not in path.parents
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if PROBE.search(line)
+    ]
+    assert not probes, "capabilities are declared on harness.kv.base.KVCache, not probed:\n" + "\n".join(probes)
+
+
+@pytest.mark.parametrize("name", kv.strategy_names())
+def test_every_strategy_cache_subclasses_the_base(name):
+    assert issubclass(strategy_class(name), KVCache)
+
+
+@pytest.mark.parametrize("name", kv.strategy_names())
+def test_a_strategy_declares_static_decode_exactly_when_it_has_a_static_decode_step(name):
+    cls = strategy_class(name)
+    assert cls.supports_static_decode == overrides(cls, "enable_static_decode") == (name in STATIC_DECODE)
+
+
+@pytest.mark.parametrize("name", kv.strategy_names())
+def test_only_the_prefix_cache_fills_a_shared_prefix(name):
+    assert overrides(strategy_class(name), "prefill_prefix") == (name == "prefix")
+
+
+@pytest.mark.parametrize("name", kv.strategy_names())
+def test_a_strategy_declares_whether_it_stores_mla_s_latent_and_a_workload_asks_the_declaration(name):
+    stores = kv.layout(name, {}).stores_latent
+    assert stores == (name in LATENT)
+    if not stores:
+        with pytest.raises(ConfigError, match=rf"^cache.name: {name} does not store .*allowed: contiguous, paged$"):
+            Workload(model={"name": "mla-tiny"}, cache={"name": name}, dtype="fp32")
+
+
+def test_the_base_holds_no_prefix_and_has_no_static_decode_step():
+    class Plain(KVCache):
+        name = "plain"
+
+    cache = Plain()
+    assert cache.prefill_prefix(None, None) == 0  # the whole prompt runs
+    assert cache.peak_columns() == {}
+    with pytest.raises(Unsupported, match="static-shape"):
+        cache.enable_static_decode()
+
+
+# --- the strategy's own row columns: asked of every cache, answered by the prefix cache ------------------------------
+
+
+def prefix_point(tiny_args, *, prefix_len: int):
+    """A prefix cache (block_size 8) for 2 sequences of a 24-token prompt, its first prefix_len tokens shared."""
+    spec = CacheSpec.for_model(
+        tiny_args, batch_size=2, max_tokens=28, kv_dtype="fp32", device=CPU, prefix_len=prefix_len
+    )
+    prompt = torch.randint(tiny_args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    prompt[1, :prefix_len] = prompt[0, :prefix_len]
+    return kv.build("prefix", spec, {"block_size": 8}), prompt
+
+
+def generation(model, cache, prompt, ttfts: list[float]):
+    """ttft_ms for row_columns: one more generation through the cache, then the next of the given TTFTs."""
+
+    def ttft_ms() -> float:
+        generate(model, cache, prompt, 4, StepTimer(CPU, n_marks=4))
+        cache.release()
+        return ttfts.pop(0)
+
+    return ttft_ms
+
+
+def no_generation() -> float:
+    raise AssertionError("a cache without figures of its own runs no generation")
+
+
+@pytest.mark.parametrize(
+    ("name", "options"), [("contiguous", {}), ("paged", {"block_size": 8}), ("sliding", {"window": 8})]
+)
+def test_a_strategy_without_figures_of_its_own_reports_no_row_columns(tiny_args, name, options):
+    spec = CacheSpec.for_model(tiny_args, batch_size=2, max_tokens=28, kv_dtype="fp32", device=CPU, prefix_len=16)
+    assert kv.build(name, spec, options).row_columns(no_generation, n=2) == {}
+
+
+def test_the_prefix_cache_reports_where_its_prefix_came_from_and_the_median_ttft_of_a_miss(tiny_model, tiny_args):
+    cache, prompt = prefix_point(tiny_args, prefix_len=16)
+    generation(tiny_model, cache, prompt, [0.0])()  # the point's first generation: the prefix computed
+    columns = cache.row_columns(generation(tiny_model, cache, prompt, [3.0, 1.0, 2.0]), n=3)
+    assert columns == {"prefix_hit": False, "prefix_source": "computed", "ttft_miss_ms": 2.0}
+    assert cache.prefix_sources == ["computed"] * 4  # each miss forgot the prefix first, so each recomputed it
+
+
+@pytest.mark.parametrize("prefix_len", [0, 5])  # none at all, and less than one whole block
+def test_a_prefix_cache_with_no_whole_block_to_share_reports_no_row_columns(tiny_model, tiny_args, prefix_len):
+    """Issue #27 item 1: nothing shared, nothing to report (it measures as paged)."""
+    cache, prompt = prefix_point(tiny_args, prefix_len=prefix_len)
+    generation(tiny_model, cache, prompt, [0.0])()
+    assert cache.row_columns(no_generation, n=2) == {}
+
+
+# --- bytes: counted once, by the base, from what each strategy says it stores ---------------------------------------
+
+
+@pytest.mark.parametrize("name", kv.strategy_names())
+def test_no_strategy_copies_the_byte_accounting_it_parametrizes_the_base_with_what_it_stores(name):
+    own = {method for cls in strategy_class(name).__mro__[:-2] for method in vars(cls)}  # below KVCache and object
+    assert not own & {"kv_bytes_allocated", "kv_scale_bytes", "kv_tail_bytes"}
+    # kv_bytes_live: the prefix cache counts a shared block once, its own rule
+    assert ("kv_bytes_live" in own) == (name == "prefix")
+
+
+# (kv_bytes_allocated, kv_bytes_live, kv_scale_bytes, kv_tail_bytes, peak_columns()) at the peak of a generation of 2
+# sequences, 12 prompt tokens (the first 8 shared) + 4 generated, on the tiny model in fp32: each strategy's own
+# accounting, recorded before the base took it over.
+PEAK_BYTES = {
+    ("contiguous", "fp32"): (16384, 15360, 0, 0, {}),
+    ("contiguous", "bf16"): (8192, 7680, 0, 0, {}),
+    ("contiguous", "int8"): (5120, 3840, 1024, 0, {}),
+    ("contiguous", "int4"): (15872, 1920, 8192, 5632, {}),
+    ("paged", "fp32"): (16384, 15360, 0, 0, {}),
+    ("paged", "bf16"): (8192, 7680, 0, 0, {}),
+    ("paged", "int8"): (5120, 3840, 1024, 0, {}),
+    ("paged", "int4"): (15872, 1920, 8192, 5632, {}),
+    ("prefix", "fp32"): (12288, 11264, 0, 0, {"kv_bytes_shared": 4096}),
+    ("prefix", "bf16"): (6144, 5632, 0, 0, {"kv_bytes_shared": 2048}),
+    ("prefix", "int8"): (3840, 2816, 768, 0, {"kv_bytes_shared": 1024}),
+    ("prefix", "int4"): (9216, 1408, 6144, 1536, {"kv_bytes_shared": 512}),
+    ("sliding", "fp32"): (8192, 8192, 0, 0, {}),
+    ("sliding", "bf16"): (4096, 4096, 0, 0, {}),
+    ("sliding", "int8"): (2560, 2048, 512, 0, {}),
+    ("evict", "fp32"): (8192, 8192, 0, 0, {}),
+    ("evict", "bf16"): (4096, 4096, 0, 0, {}),
+    ("evict", "int8"): (2560, 2048, 512, 0, {}),
+    ("none", "fp32"): (0, 0, 0, 0, {}),
+    ("offload", "fp32"): (32768, 15360, 0, 0, {"kv_bytes_host": 16384}),
+    ("offload", "bf16"): (16384, 7680, 0, 0, {"kv_bytes_host": 8192}),
+}
+OPTIONS = {"paged": {"block_size": 4}, "prefix": {"block_size": 4}, "sliding": {"window": 8, "sinks": 2},
+           "evict": {"policy": "h2o", "budget": 8, "window": 2}}  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "kv_dtype"), list(PEAK_BYTES))
+def test_the_base_counts_each_strategy_s_bytes_at_its_peak_as_the_strategy_did(tiny_model, tiny_args, name, kv_dtype):
+    # int4: groups of 4 tokens, a residual of 4 (prefix shares none of a private tail: kv_residual=0)
+    spec = CacheSpec.for_model(tiny_args, batch_size=2, max_tokens=16, kv_dtype=kv_dtype, device=CPU, prefix_len=8,
+                               kv_residual=0 if name == "prefix" else 4, kv_group_size=4, dtype="fp32")  # fmt: skip
+    if name == "offload":  # its host store on the CPU, copied synchronously
+        cache = OffloadCache(spec, kv.parse_options(name, {}), transfers=SyncTransfers())
+    else:
+        cache = kv.build(name, spec, OPTIONS.get(name, {}))
+    prompt = torch.randint(tiny_args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    prompt[1, :8] = prompt[0, :8]
+    generate(tiny_model, cache, prompt, 4, StepTimer(CPU, n_marks=4))
+    figures = (cache.kv_bytes_allocated(), cache.kv_bytes_live(), cache.kv_scale_bytes(), cache.kv_tail_bytes())
+    assert (*figures, cache.peak_columns()) == PEAK_BYTES[name, kv_dtype]
