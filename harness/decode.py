@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch.profiler import record_function
 
+from harness import kv
 from harness.errors import Unsupported
 from harness.formats import COMPILE_MODES
 from harness.kv.base import KVCache
@@ -86,7 +87,7 @@ def check_compilable(cache: KVCache, *, mode: str, device: torch.device) -> None
     if not cache.supports_static_decode:
         raise Unsupported(
             f"compile: cache {cache.name} has no static-shape decode step (its K/V move by ring, stream or "
-            "recomputation); allowed: contiguous, paged, prefix"
+            f"recomputation); allowed: {', '.join(kv.static_decode_names())}"
         )
     if cache.spec.kv_dtype == "int4":
         raise Unsupported("compile: int4 (KIVI) quantizes key groups as they complete, a data-dependent write")

@@ -3,8 +3,10 @@ what it can do, and the harness asks the declaration instead of probing the cach
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -12,9 +14,9 @@ import torch
 
 from harness import kv
 from harness.config import Workload
-from harness.decode import generate
+from harness.decode import check_compilable, generate
 from harness.errors import ConfigError, Unsupported
-from harness.kv.base import CacheSpec, KVCache
+from harness.kv.base import CacheSpec, KVCache, Layout
 from harness.kv.offload import OffloadCache, SyncTransfers
 from harness.timing import StepTimer
 
@@ -54,6 +56,35 @@ def test_every_strategy_cache_subclasses_the_base(name):
 def test_a_strategy_declares_static_decode_exactly_when_it_has_a_static_decode_step(name):
     cls = strategy_class(name)
     assert cls.supports_static_decode == overrides(cls, "enable_static_decode") == (name in STATIC_DECODE)
+
+
+class Ring(KVCache):
+    name = "ring"  # a cache without a static-shape decode step (the base declares none)
+
+
+def test_a_strategy_without_a_static_decode_step_is_refused_compile_by_a_message_listing_those_with_one():
+    with pytest.raises(Unsupported, match=r"^compile: cache ring .*; allowed: contiguous, paged, prefix$"):
+        check_compilable(Ring(), mode="default", device=CPU)
+
+
+def test_a_plugged_in_strategy_that_declares_a_static_decode_step_joins_the_compile_message(monkeypatch):
+    class Static(KVCache):
+        name = "static"
+        supports_static_decode = True
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        pass
+
+    plugin = types.ModuleType("plugin_static")
+    plugin.Options, plugin.STRATEGY, plugin.LAYOUT = Options, Static, Layout
+    kv.register("static", plugin)
+    try:
+        assert "static" in kv.static_decode_names()
+        with pytest.raises(Unsupported, match=r"allowed: contiguous, paged, prefix, static$"):
+            check_compilable(Ring(), mode="default", device=CPU)
+    finally:
+        kv.unregister("static")
 
 
 @pytest.mark.parametrize("name", kv.strategy_names())

@@ -32,6 +32,7 @@ __all__ = [
     "register",
     "serving",
     "serving_names",
+    "static_decode_names",
     "strategy_names",
 ]
 
@@ -127,3 +128,9 @@ def serving(name: str) -> Serving:
 def serving_names() -> list[str]:
     """The strategies that serve, by their own SERVING."""
     return [name for name in strategy_names() if serving(name).serves]
+
+
+def static_decode_names() -> list[str]:
+    """The strategies whose cache has a decode step at static shapes (KVCache.supports_static_decode): the ones
+    compile=default or reduce-overhead can capture."""
+    return [name for name in strategy_names() if _module(name).STRATEGY.supports_static_decode]
