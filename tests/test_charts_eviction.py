@@ -3,9 +3,14 @@ as curves over their budgets, beside the sliding window and the quantized format
 
 from __future__ import annotations
 
+import dataclasses
+import types
+
 import pytest
 
-from dashboard.charts.strategies import compression_ratio, kl_against_compression
+from dashboard.charts.strategies import compression_ratio, kl_against_compression, lossy_family
+from harness import kv
+from harness.kv import KVCache, Layout
 from tests.charts_rows import annotation_texts, frame, point, trace, trace_names
 
 # small's shapes: 12 layers x 4 KV heads x 64 channels; bf16: 2 x 12 x 4 x 64 x 2 = 12288 bytes a token
@@ -59,3 +64,36 @@ def test_rows_without_accuracy_give_the_empty_figure_and_two_workloads_a_note():
     two = kl_against_compression(frame(*lossy_rows().to_dict("records"), evicted("h2o", 64, 0.3) | {"batch_size": 4}))
     assert len(trace(two, "evict h2o").x) == 3  # the batch-1 workload's three budgets, not the batch-4 point
     assert any("one workload of 2" in text for text in annotation_texts(two))
+
+
+def test_a_plugged_in_strategy_names_its_own_trace_from_its_layout_and_says_whether_it_is_a_curve():
+    class RingLayout(Layout):
+        lossy = True
+        lossy_family = "ring of {window}"
+        lossy_curve = True
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        window: int = 64
+
+    plugin = types.ModuleType("plugin_ring")
+    plugin.Options, plugin.STRATEGY, plugin.LAYOUT = Options, KVCache, RingLayout
+    rows = frame(
+        *(
+            point(**SHAPE, cache="ring", window=64, kv_bytes_allocated=12288 * 64, kl_mean=kl, kv_dtype=kv_dtype)
+            for kl, kv_dtype in ((0.1, "bf16"), (0.2, "bf16"), (0.3, "int8"))
+        )
+    )
+    kv.register("ring", plugin)
+    try:
+        assert lossy_family(rows).tolist() == ["ring of 64", "ring of 64", "ring of 64 int8"]
+        fig = kl_against_compression(rows)
+    finally:
+        kv.unregister("ring")
+    assert sorted(trace_names(fig)) == ["ring of 64", "ring of 64 int8"]
+    assert trace(fig, "ring of 64").mode == "lines+markers"  # declared a curve, as evict's budgets are
+
+
+def test_a_strategy_not_known_here_is_named_by_its_kv_dtype():
+    rows = frame(point(**SHAPE, cache="gone", kv_bytes_allocated=EXACT_BYTES // 2, kl_mean=0.1, kv_dtype="int8"))
+    assert lossy_family(rows).tolist() == ["quantized int8"]

@@ -2,7 +2,9 @@
 
 Every chart (dashboard/charts/<page>.py) is a pure function from result rows (harness.store.disk.load) to a plotly
 figure, in the column contract of harness.store.schema.COLUMNS (strategy_table: a DataFrame; crossover_caption: a
-string). Nothing here imports Streamlit or torch, so each chart is unit-tested on synthetic frames.
+string). Nothing here imports Streamlit, nor torch at import time, so each chart is unit-tested on synthetic frames;
+a chart that asks a strategy's declaration (strategy_layouts, strategy_servings) imports harness.kv, and with it
+torch, only then, and only for the rows it draws.
 
 Rows come from many schema versions and many outcomes, so every chart:
   - raises MissingColumns, before any work, when a column it cannot do without is absent or entirely null;
@@ -18,6 +20,7 @@ Rows come from many schema versions and many outcomes, so every chart:
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -26,6 +29,9 @@ from plotly.colors import qualitative
 
 from harness.formats import EXACT_REFERENCE
 from harness.store.schema import KV_COLUMNS, POINT_KEY_COLUMNS, WORKLOAD_COLUMNS
+
+if TYPE_CHECKING:
+    from harness.kv import Layout, Serving
 
 SCATTERGL_MIN_POINTS = 5000  # above this an SVG scatter makes the browser crawl; WebGL draws 100k points smoothly
 LOG2_DTICK = math.log10(2)  # a log axis with this dtick ticks at 1, 2, 4, 8, ...
@@ -75,6 +81,30 @@ def require(rows: pd.DataFrame, columns: list[str] | tuple[str, ...]) -> None:
     missing = [c for c in columns if c not in rows.columns or (len(rows) > 0 and rows[c].isna().all())]
     if missing:
         raise MissingColumns(f"needs columns: {', '.join(missing)}")
+
+
+def _strategies(cache: pd.Series) -> list[str]:
+    """The distinct names in a cache column that name a strategy here; an old row's strategy, or a plug-in's not
+    registered in this process, has no declaration to ask. harness.kv imports torch (seconds at start-up), so it is
+    imported here, when a chart asks."""
+    from harness import kv
+
+    return sorted(set(cache.dropna().astype(str)) & set(kv.strategy_names()))
+
+
+def strategy_layouts(cache: pd.Series) -> dict[str, Layout]:
+    """Each strategy named in a cache column -> its Layout at its default options (harness.kv.layout): what it
+    declares of itself (lossy_family, lossy_curve), never a figure that depends on its options."""
+    from harness import kv
+
+    return {name: kv.layout(name, {}) for name in _strategies(cache)}
+
+
+def strategy_servings(cache: pd.Series) -> dict[str, Serving]:
+    """Each strategy named in a cache column -> its Serving declaration (harness.kv.serving: shares_prefix, ...)."""
+    from harness import kv
+
+    return {name: kv.serving(name) for name in _strategies(cache)}
 
 
 def ok_rows(rows: pd.DataFrame, columns: tuple[str, ...] | list[str] | None = None) -> pd.DataFrame:

@@ -3,6 +3,8 @@ what the lossy ones cost in accuracy for what they save in memory."""
 
 from __future__ import annotations
 
+import string
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -18,6 +20,7 @@ from dashboard.charts.common import (
     require,
     row_marks,
     scatter_class,
+    strategy_layouts,
     texts,
     treatment_keys,
     treatment_label,
@@ -246,13 +249,28 @@ def compression_ratio(rows: pd.DataFrame) -> pd.Series:
 
 
 def lossy_family(rows: pd.DataFrame) -> pd.Series:
-    """A trace per way of losing accuracy: "evict h2o" (one per eviction policy), "sliding window", and
-    "quantized" (a dense layout at a narrow kv_dtype); a narrow kv_dtype under eviction or a window is named too."""
+    """A trace per way of losing accuracy: the strategy's own name for it (its Layout's lossy_family, formatted with
+    the row's columns: "evict h2o", one per eviction policy; "sliding window"), else "quantized" (a layout that
+    declares none, at a narrow kv_dtype); a narrow kv_dtype under a lossy family is named too."""
     cache, kv_dtype = texts(rows, "cache"), texts(rows, "kv_dtype")
     narrow = (" " + kv_dtype).where(kv_dtype != texts(rows, "dtype"), "")
     family = pd.Series("quantized " + kv_dtype, index=rows.index, dtype=object)
-    family = family.where(cache != "sliding", "sliding window" + narrow)
-    return family.where(cache != "evict", "evict " + texts(rows, "policy") + narrow)
+    for name, layout in strategy_layouts(cache).items():
+        if layout.lossy_family is None:
+            continue
+        mine = (cache == name).to_numpy()
+        fields = [field for _, field, _, _ in string.Formatter().parse(layout.lossy_family) if field]
+        values = pd.DataFrame({field: texts(rows, field)[mine] for field in fields}, index=rows.index[mine])
+        named = [layout.lossy_family.format_map(row) for row in values.to_dict("records")]
+        family[mine] = [label + suffix for label, suffix in zip(named, narrow[mine], strict=True)]
+    return family
+
+
+def lossy_curve(rows: pd.DataFrame) -> pd.Series:
+    """Whether the row's strategy declares its family one curve through an option (Layout.lossy_curve: evict's
+    budgets), drawn joined; False for a strategy that declares nothing or is not known here."""
+    cache = texts(rows, "cache")
+    return cache.isin([name for name, layout in strategy_layouts(cache).items() if layout.lossy_curve])
 
 
 def kl_against_compression(rows: pd.DataFrame) -> go.Figure:
@@ -277,20 +295,21 @@ def kl_against_compression(rows: pd.DataFrame) -> go.Figure:
             "x": compression_ratio(chosen),
             "y": numbers(chosen, "kl_mean"),
             "family": lossy_family(chosen),
+            "curve": lossy_curve(chosen),
             "treatment": treatment_label(chosen),
             "top1": numbers(chosen, "top1_agreement"),
         }
     ).sort_values(["family", "x"], kind="stable")
     fig = go.Figure()
     for i, (family, part) in enumerate(points.groupby("family", sort=True)):
-        evicts = family.startswith("evict")
+        curve = bool(part["curve"].any())  # a curve through an option (evict's budgets), as the strategy declares
         fig.add_trace(
             go.Scatter(
                 x=part["x"].to_numpy(np.float64),
                 y=part["y"].to_numpy(np.float64),
-                mode="lines+markers" if evicts else "markers",  # a policy's budgets: a curve; others: points
+                mode="lines+markers" if curve else "markers",  # a policy's budgets: a curve; others: points
                 name=family,
-                marker=dict(color=colour(i), size=10, symbol="circle" if evicts else SYMBOLS[1 + i % 4]),
+                marker=dict(color=colour(i), size=10, symbol="circle" if curve else SYMBOLS[1 + i % 4]),
                 text=part["treatment"].to_numpy(),
                 customdata=part["top1"].to_numpy(np.float64),
                 hovertemplate="%{text}<br>compression %{x:.3g}x, KL %{y:.3g}, top-1 %{customdata:.3g}<extra></extra>",

@@ -322,6 +322,12 @@ class Layout:
     lossy: ClassVar[bool] = False
     # Whether the cache stores MLA's latent (CacheSpec.latent_v_dim: K = [c_kv | k_rope], V its first channels).
     stores_latent: ClassVar[bool] = False
+    # How a lossy strategy loses accuracy, as the dashboard's KL chart names its trace (dashboard.charts.strategies
+    # .lossy_family), formatted with the row's columns: "evict {policy}". None: an exact layout, whose rows are
+    # named by their kv_dtype ("quantized fp8_e4m3").
+    lossy_family: ClassVar[str | None] = None
+    # Whether a family's rows are one curve through an option (evict's budgets), which the KL chart draws joined.
+    lossy_curve: ClassVar[bool] = False
 
     def __init__(self, name: str, options: Any) -> None:
         self.name, self.options = name, options

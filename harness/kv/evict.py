@@ -292,6 +292,8 @@ class EvictLayout(Layout):
     decode query reads at most `budget` keys. Lossy past the budget."""
 
     lossy: ClassVar[bool] = True
+    lossy_family: ClassVar[str | None] = "evict {policy}"  # one trace per policy
+    lossy_curve: ClassVar[bool] = True  # its budgets
 
     def allocation(self, w) -> KVAllocation:
         """data [L, K|V, B, H_kv, slots, D] (+ scale [.., slots, 1] for fp8/int8); no int4."""

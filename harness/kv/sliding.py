@@ -214,6 +214,7 @@ class SlidingLayout(Layout):
     attends through a band mask built for the whole forward (SlidingCache._banded_step). Lossy past the window."""
 
     lossy: ClassVar[bool] = True
+    lossy_family: ClassVar[str | None] = "sliding window"
 
     def allocation(self, w) -> KVAllocation:
         """data [L, K|V, B, H_kv, slots, D] (MLA: one latent side of one head of its row) (+ scale [.., slots, 1]
