@@ -3,7 +3,9 @@ PD-transfer tables with every TIER_COLUMNS / PD_COLUMNS column, and prefix-reuse
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import types
 
 import pandas as pd
 import pytest
@@ -16,11 +18,14 @@ from dashboard.charts.tiers import (
     pd_transfer,
     pd_ttft,
     prefix_caption,
+    prefix_reuse_rows,
     prefix_workloads,
     tier_bandwidth,
     tier_caption,
     ttft_by_prefix_source,
 )
+from harness import kv
+from harness.kv import KVCache, Layout, Serving
 from harness.store.tables import PD_COLUMNS, TIER_COLUMNS
 from tests.charts_rows import annotation_texts, frame, point, trace, trace_names
 
@@ -131,7 +136,7 @@ SUFFIX = 64
 
 def prefix_point(prefix_len: int, *, disk: float, miss: float, **overrides) -> dict:
     return point(
-        cache="prefix",
+        cache=overrides.pop("cache", "prefix"),
         device="cpu",
         prefix_len=prefix_len,
         prompt_len=overrides.pop("prompt_len", prefix_len + SUFFIX),
@@ -318,3 +323,24 @@ def test_an_empty_pd_table_draws_a_message():
     assert annotation_texts(pd_transfer(empty)) == ["no ok rows"]
     assert annotation_texts(pd_ttft(empty)) == ["no ok rows"]
     assert pd_step_crossings(empty).empty
+
+
+def test_the_prefix_rows_are_those_of_a_strategy_whose_serving_declares_it_shares_a_prefix():
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        pass
+
+    plugin = types.ModuleType("plugin_radix")
+    plugin.Options, plugin.STRATEGY, plugin.LAYOUT = Options, KVCache, Layout
+    plugin.SERVING = Serving(pool="blocks", storage="paged", shares_prefix=True)
+    rows = frame(
+        prefix_point(256, disk=30.0, miss=20.0),
+        prefix_point(256, disk=30.0, miss=20.0, cache="radix"),
+        prefix_point(256, disk=30.0, miss=20.0, cache="paged"),  # it shares nothing: a prefix_len is not enough
+        prefix_point(256, disk=30.0, miss=20.0, cache="gone"),  # no strategy of that name here
+    )
+    kv.register("radix", plugin)
+    try:
+        assert prefix_reuse_rows(rows)["cache"].tolist() == ["prefix", "radix"]
+    finally:
+        kv.unregister("radix")

@@ -86,10 +86,13 @@ def require(rows: pd.DataFrame, columns: list[str] | tuple[str, ...]) -> None:
 def _strategies(cache: pd.Series) -> list[str]:
     """The distinct names in a cache column that name a strategy here; an old row's strategy, or a plug-in's not
     registered in this process, has no declaration to ask. harness.kv imports torch (seconds at start-up), so it is
-    imported here, when a chart asks."""
+    imported here, when a chart asks, and not at all for no rows."""
+    names = set(cache.dropna().astype(str))
+    if not names:
+        return []
     from harness import kv
 
-    return sorted(set(cache.dropna().astype(str)) & set(kv.strategy_names()))
+    return sorted(names & set(kv.strategy_names()))
 
 
 def strategy_layouts(cache: pd.Series) -> dict[str, Layout]:

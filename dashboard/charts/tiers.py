@@ -22,6 +22,7 @@ from dashboard.charts.common import (
     numbers,
     ok_rows,
     require,
+    strategy_servings,
     texts,
 )
 from harness.store.schema import POINT_KEY_COLUMNS
@@ -189,14 +190,16 @@ PREFIX_GROUP = tuple(c for c in POINT_KEY_COLUMNS if c not in ("prompt_len", "pr
 
 
 def prefix_reuse_rows(rows: pd.DataFrame) -> pd.DataFrame:
-    """The ok cache == "prefix" rows with a prefix and a TTFT from at least one of its sources."""
+    """The ok rows of a strategy that shares a prompt prefix (its Serving declares shares_prefix: prefix), with a
+    prefix and a TTFT from at least one of its sources."""
     measured = [column for _, column in PREFIX_SOURCES]
     if "cache" not in rows.columns or "prefix_len" not in rows.columns:
         return rows.iloc[0:0]
     ok = ok_rows(rows)
-    keep = ok["cache"].eq("prefix").fillna(False).astype(bool) & (numbers(ok, "prefix_len") > 0)
-    keep &= pd.concat([numbers(ok, c).notna() for c in measured], axis=1).any(axis=1)
-    return ok[keep.to_numpy()].reset_index(drop=True)
+    keep = (numbers(ok, "prefix_len") > 0) & pd.concat([numbers(ok, c).notna() for c in measured], axis=1).any(axis=1)
+    ok = ok[keep.to_numpy()]  # first: only rows with a prefix's TTFT ask the strategies (harness.kv imports torch)
+    sharing = [name for name, serving in strategy_servings(ok["cache"]).items() if serving.shares_prefix]
+    return ok[ok["cache"].isin(sharing).to_numpy()].reset_index(drop=True)
 
 
 def prefix_workloads(rows: pd.DataFrame) -> pd.Series:
