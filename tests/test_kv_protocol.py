@@ -3,6 +3,7 @@ what it can do, and the harness asks the declaration instead of probing the cach
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import re
@@ -34,6 +35,58 @@ def strategy_class(name: str) -> type:
 
 def overrides(cls: type, method: str) -> bool:
     return getattr(cls, method) is not getattr(KVCache, method)
+
+
+# Words a strategy's name shares with another vocabulary: compile="none" is a mode and marks="none" a row's marks.
+OTHER_VOCABULARIES = ("compile", "marks")
+COMPARING_CALLS = {"eq", "ne", "isin", "startswith", "endswith"}  # pandas' and str's comparisons by call
+
+
+def names_a_strategy(node: ast.AST, names: set[str]) -> bool:
+    """A string literal that is a strategy's name, alone or in a tuple, list or set literal."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str) and node.value in names
+    return isinstance(node, ast.Tuple | ast.List | ast.Set) and any(names_a_strategy(e, names) for e in node.elts)
+
+
+def strategy_name_comparisons(root: Path, names: set[str]) -> list[str]:
+    """Every comparison (==, !=, in, not in, .eq(, .ne(, .isin(, .startswith(, .endswith() of a strategy's name as
+    a string literal in harness/ (but harness/kv/), experiments/ and dashboard/, as "path:line: code"."""
+    found = []
+    for folder in ("harness", "experiments", "dashboard"):
+        for path in sorted((root / folder).rglob("*.py")):
+            if root / "harness" / "kv" in path.parents:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Compare) and any(
+                    isinstance(op, ast.Eq | ast.NotEq | ast.In | ast.NotIn) for op in node.ops
+                ):
+                    operands = [node.left, *node.comparators]
+                elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) in COMPARING_CALLS:
+                    operands = [node.func.value, *node.args]
+                else:
+                    continue
+                code = ast.unparse(node)
+                if any(names_a_strategy(n, names) for n in operands) and not any(w in code for w in OTHER_VOCABULARIES):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {code}")
+    return found
+
+
+def test_no_code_outside_the_strategies_compares_a_strategy_s_name():
+    """Issue #28: the harness, the experiments and the dashboard ask a strategy's declaration (Layout, Serving,
+    KVCache) and never test its name; only harness/kv/, conf/ and the tests name strategies."""
+    found = strategy_name_comparisons(ROOT, set(kv.strategy_names()))
+    assert not found, "ask the strategy's declaration instead of its name:\n" + "\n".join(found)
+
+
+def test_the_name_scan_finds_a_name_compared_every_way(tmp_path):
+    (tmp_path / "dashboard").mkdir()
+    compared = ['cache == "paged"', 'c.eq("prefix")', 'name in ("a", "evict")', 'f.startswith("evict")']
+    ignored = ['rows["compile"].eq("none")', 'cfg.compile != "none"', 'marks != "none"', 'x = "paged"']
+    lines = [f"a{i} = {code}" for i, code in enumerate(compared + ignored)]
+    (tmp_path / "dashboard" / "chart.py").write_text("\n".join(lines) + "\n")
+    found = strategy_name_comparisons(tmp_path, {"paged", "prefix", "evict", "none"})
+    assert [line.split(": ", 1)[0] for line in found] == [f"dashboard/chart.py:{i + 1}" for i in range(4)]
 
 
 def test_no_caller_outside_the_strategies_probes_a_cache_with_getattr_or_hasattr():
