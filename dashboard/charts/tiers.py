@@ -3,8 +3,8 @@ ceilings; TTFT by where a prefix came from, with the context above which loading
 and the prefill -> decode KV transfer against the context, measured transports beside extrapolated links.
 
 Frames in the contracts of harness.store.tables (TIER_COLUMNS, PD_COLUMNS) and of the decode rows
-(harness.store.schema.COLUMNS, of a strategy whose Serving declares shares_prefix). Pure functions to plotly figures and caption strings, as
-dashboard/charts/common.py describes.
+(harness.store.schema.COLUMNS, of a strategy whose Serving declares shares_prefix). Pure functions to plotly
+figures and caption strings, as dashboard/charts/common.py describes.
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ and `Scheduler.update` advances them, finishing those at output_len and returnin
 The KV tensors are the storage a strategy's SERVING names (harness.kv.base.Serving): a slots pool (`contiguous`:
 a slot of max_model_len tokens per running request, the engine choosing the slot) or a blocks pool (`paged`) whose
 block tables come from the scheduler's KV manager (harness.serve.kv_manager), which also decides prefix sharing
-(`prefix`) and what a window frees (`sliding`, read under the window's mask). Preemption by recompute needs nothing here: the request's blocks are gone, and it
-re-prefills its prompt and outputs. Swap copies a victim's blocks to host memory before the forward that reuses
-them, and back into its new blocks when it is readmitted (vLLM v0's swap_out / swap_in).
+(`prefix`) and what a window frees (`sliding`, read under the window's mask). Preemption by recompute needs
+nothing here: the request's blocks are gone, and it re-prefills its prompt and outputs. Swap copies a victim's
+blocks to host memory before the forward that reuses them, and back into its new blocks when it is readmitted
+(vLLM v0's swap_out / swap_in).
 
 `serve` is the loop on the wall clock: requests join when the clock passes their arrival_s, an idle engine sleeps
 until the next arrival, and every iteration's host times are taken apart: `scheduler_s` (schedule and update) and
