@@ -32,7 +32,7 @@ from harness.model import build_model
 from harness.serve import capacity
 from harness.serve.engine import SERVE_KV_DTYPES, Engine, build_cache, check_servable, serve
 from harness.serve.kv_manager import check_window, make_kv_manager, num_blocks_for, serving
-from harness.serve.metrics import parse_slo_ms, request_row, run_metrics
+from harness.serve.metrics import SLO_COLUMNS, parse_slo_ms, request_row, run_metrics
 from harness.serve.requests import RequestSpec, describe, generate, prompt_token_ids, read_trace
 from harness.serve.rows import ServeRunWriter, iteration_row, serve_run_dir
 from harness.serve.scheduler import Scheduler, SchedulerConfig
@@ -40,7 +40,6 @@ from harness.store.summary import next_step
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 log = logging.getLogger("kvbench")
-SLO_NAMES = (("TTFT", "ttft"), ("TPOT", "tpot"), ("E2E", "e2el"))  # (as printed, the run row's <key>_slo_ms)
 FLUSH_EVERY_S = 1.0  # finished requests reach disk at least this often (s), whatever ServeRunWriter's flush_every
 
 
@@ -312,7 +311,7 @@ def summary_lines(row: dict, run_dir: Path) -> list[str]:
 
 def goodput_terms(row: dict) -> str:
     """What defines the goodput beside it: how many requests met which SLOs, or that none was given."""
-    slos = [f"{name} <= {_duration(row[f'{key}_slo_ms'])}" for name, key in SLO_NAMES if row.get(f"{key}_slo_ms")]
+    slos = [f"{name} <= {_duration(row[column])}" for column, name in SLO_COLUMNS.items() if row.get(column)]
     if not slos:
         return "no SLO given, every request counts"
     good = round(row["request_goodput"] * row["duration_s"])  # goodput = good requests / duration

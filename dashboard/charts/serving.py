@@ -19,7 +19,7 @@ from plotly.subplots import make_subplots
 
 from dashboard.charts.common import colour, message_figure, numbers, require, texts
 from harness.errors import ConfigError
-from harness.serve.metrics import knee
+from harness.serve.metrics import SLO_COLUMNS, knee
 
 # What names a line, in this order: the fields that vary among the runs drawn, and always strategy and kv_dtype.
 LINE_KEYS = ("engine", "model", "device", "sweep_id", "strategy", "kv_dtype")
@@ -29,7 +29,6 @@ LATENCIES = {  # request-row column: (its name in a title, the axis title)
     "tpot_ms": ("TPOT", "time per output token (ms)"),
     "e2el_ms": ("E2E latency", "end-to-end latency (ms)"),
 }
-SLO_COLUMNS = {"ttft_slo_ms": "TTFT", "tpot_slo_ms": "TPOT", "e2el_slo_ms": "E2E"}
 QPS_TITLE = "offered load (requests/s)"
 PREDICTED, MEASURED = "predicted (planner)", "measured"
 

@@ -40,6 +40,7 @@ DEFAULT_PERCENTILES = (50, 90, 99)  # issue #16's run row; vLLM's own default is
 
 # An SLO string's unit, to milliseconds per unit. Lower case only: "200S" or "200Ms" is a typo, not a unit.
 SLO_UNIT_MS = {"ms": 1.0, "s": 1000.0, "us": 0.001}
+SLO_COLUMNS = {"ttft_slo_ms": "TTFT", "tpot_slo_ms": "TPOT", "e2el_slo_ms": "E2E"}  # the run row's SLOs, as printed
 SLO_FORMS = "give a number of milliseconds (200) or a string with a unit: 200ms, 0.2s, 200us"
 _SLO_STRING = re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([A-Za-zµ]*)\s*$")
 
