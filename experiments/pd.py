@@ -31,7 +31,7 @@ from harness import disagg, environment, transport
 from harness.config import DEVICES, DTYPES, ModelConfig, device_type, resolve_dtype
 from harness.errors import ConfigError, Unsupported, exit_on_config_error
 from harness.formats import BITS, KV_GROUP_SIZES
-from harness.model_args import PRESETS
+from harness.presets import PRESETS
 from harness.spec import spec_links
 from harness.store import tables
 

@@ -26,7 +26,7 @@ from harness import ceilings, tier_bandwidth
 from harness.config import DEVICES, ModelConfig, check_choice, resolve_dtype, resolve_kv_dtype
 from harness.errors import ConfigError, exit_on_config_error
 from harness.formats import COMPUTE_DTYPES, KV_DTYPES
-from harness.model_args import PRESETS
+from harness.presets import PRESETS
 from harness.store.tables import TIER_COLUMNS, TIER_PREFIX, TIERS_DIR, write_table
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # absolute: see experiments/ceilings.py
@@ -39,7 +39,7 @@ log = logging.getLogger("kvbench")
 class TiersConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     results_dir: str = "results"  # the table goes to <results_dir>/tiers/, the figures to <results_dir>/ceilings/
-    # A preset (conf/model/, harness.model_args.PRESETS): model=llama-3.1-8b. Its blocks' shapes only: no weights.
+    # A preset (conf/model/, harness.presets.PRESETS): model=llama-3.1-8b. Its blocks' shapes only: no weights.
     model: ModelConfig = field(default_factory=ModelConfig)
     dtype: str = "auto"  # compute dtype the blocks belong to; auto: bf16 on cuda, fp32 on cpu (the CPU quickstart's)
     kv_dtype: str = "auto"  # storage format of the blocks: auto (= dtype), a float dtype, fp8, int8, int4

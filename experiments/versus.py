@@ -39,7 +39,7 @@ QUICK_DEFAULTS = {"model": "tiny", "batch": "1,2", "dtype": "fp32", "prompt_len"
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.versus", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help=f"a preset of harness.model_args.PRESETS (default {DEFAULTS['model']})")
+    p.add_argument("--model", help=f"a preset of harness.presets.PRESETS (default {DEFAULTS['model']})")
     p.add_argument("--batch", help=f"batch sizes, comma-separated (default {DEFAULTS['batch']})")
     p.add_argument(
         "--dtype", help=f"compute dtypes, comma-separated: {', '.join(DTYPES)} (default {DEFAULTS['dtype']})"

@@ -24,7 +24,8 @@ from harness.errors import ConfigError
 from harness.formats import ATTN_IMPLS, COMPILE_MODES, KV_DTYPES, KV_GROUP_SIZES
 from harness.kv.quant import PLAIN
 from harness.mla import MLA_PATHS
-from harness.model_args import PRESETS, SUPPORTED_MODEL_TYPES, ModelArgs, load_args
+from harness.model_args import SUPPORTED_MODEL_TYPES, ModelArgs, load_args
+from harness.presets import PRESETS
 
 # Compute dtypes by name -> torch dtypes. The one table is harness.kv.quant's PLAIN (the plain KV formats are the
 # compute dtypes, harness.formats.PLAIN), the lowest module that holds torch dtypes; harness.formats, torch-free,
@@ -82,7 +83,7 @@ def device_type(device: str) -> str:
 
 @dataclass
 class ModelConfig:
-    name: str = "small"  # a preset of harness.model_args.PRESETS; a local checkpoint in `weights` overrides its shapes
+    name: str = "small"  # a preset of harness.presets.PRESETS; a local checkpoint in `weights` overrides its shapes
     # Resize the preset's KV heads: 1 = MQA, n_heads = MHA, between = GQA (dummy weights only). None: as the preset.
     n_kv_heads: int | None = None
 

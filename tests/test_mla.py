@@ -13,7 +13,8 @@ from harness import kv
 from harness.errors import ConfigError
 from harness.kv.base import CacheSpec
 from harness.model import Transformer, build_model
-from harness.model_args import PRESETS, ModelArgs, load_args
+from harness.model_args import ModelArgs, load_args
+from harness.presets import PRESETS
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,7 +16,8 @@ from harness.kv.contiguous import ContiguousCache
 from harness.kv.contiguous import Options as ContiguousOptions
 from harness.kv.none import NoCache, Options
 from harness.model import Transformer, build_model, weights_bytes
-from harness.model_args import PRESETS, ModelArgs, load_args
+from harness.model_args import ModelArgs, load_args
+from harness.presets import PRESETS
 
 transformers = pytest.importorskip("transformers")
 
