@@ -21,7 +21,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from harness import ceilings
+from harness import ceiling_report, ceilings
 from harness.config import DEVICES
 from harness.errors import ConfigError, exit_on_config_error
 
@@ -55,7 +55,7 @@ def main(cfg: DictConfig) -> None:
     config = CeilingsConfig(**OmegaConf.to_container(cfg, resolve=True))
     device = ceilings.resolve_device(config.device)
     measured = ceilings.load_or_measure(device, config.results_dir, quick=config.quick, force=config.force)
-    print(ceilings.format_table(measured, spec=ceilings.spec_for(measured.device_name)))
+    print(ceiling_report.format_table(measured, spec=ceilings.spec_for(measured.device_name)))
     print(f"stored: {ceilings.ceilings_path(device, config.results_dir)}")
 
 

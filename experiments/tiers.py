@@ -22,7 +22,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from harness import ceilings, tier_bandwidth
+from harness import ceiling_report, ceilings, tier_bandwidth
 from harness.config import DEVICES, ModelConfig, check_choice, resolve_dtype, resolve_kv_dtype
 from harness.errors import ConfigError, exit_on_config_error
 from harness.formats import COMPUTE_DTYPES, KV_DTYPES
@@ -134,7 +134,7 @@ def main(cfg: DictConfig) -> None:
         ceilings_path, measured, gbps=gbps, block_bytes=block_bytes, disk_dir=config.disk_path, direct_io=direct_io
     )
     print(tier_bandwidth.format_rows(frame))
-    print(ceilings.format_table(stored, spec=ceilings.spec_for(stored.device_name)))
+    print(ceiling_report.format_table(stored, spec=ceilings.spec_for(stored.device_name)))
     print(f"table: {table_path}")
     print(f"ceilings: {ceilings_path}")
 

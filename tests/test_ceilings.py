@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import bandwidth, ceiling_timing, ceilings
+from harness import bandwidth, ceiling_report, ceiling_timing, ceilings
 from harness.ceilings import Ceilings
 
 ROOT = Path(__file__).parents[1]
@@ -224,7 +224,7 @@ def table_line(table: str, label: str) -> list[str]:
 
 
 def test_table_puts_the_read_roof_beside_the_spec_with_the_ratio_and_both_roofs_with_their_spread(quick_cpu):
-    table = ceilings.format_table(quick_cpu, spec=ceilings.spec_for("NVIDIA L4"))
+    table = ceiling_report.format_table(quick_cpu, spec=ceilings.spec_for("NVIDIA L4"))
     measured, plus_minus, rse, spec, ratio = table_line(table, "read bandwidth GB/s")[:5]
     assert float(measured) == pytest.approx(quick_cpu.read_bw_gbps, rel=1e-3)  # printed to 4 significant digits
     assert plus_minus == "±" and rse == f"{quick_cpu.median_rse['read']:.1%}"
@@ -236,31 +236,31 @@ def test_table_puts_the_read_roof_beside_the_spec_with_the_ratio_and_both_roofs_
 
 
 def test_table_of_ceilings_without_a_read_roof_says_so(quick_cpu):
-    table = ceilings.format_table(Ceilings.from_json(method_2_json(quick_cpu)))
+    table = ceiling_report.format_table(Ceilings.from_json(method_2_json(quick_cpu)))
     assert table_line(table, "read bandwidth GB/s")[:2] == ["not", "measured"] and "force=true" in table
 
 
 def test_table_says_when_a_roof_was_measured_again(quick_cpu):
-    table = ceilings.format_table(dataclasses.replace(quick_cpu, tries={"read": 2, "copy": 1}))
+    table = ceiling_report.format_table(dataclasses.replace(quick_cpu, tries={"read": 2, "copy": 1}))
     assert "measured 2 times, the tightest kept" in " ".join(table_line(table, "read bandwidth GB/s"))
     assert "measured" not in " ".join(table_line(table, "copy bandwidth GB/s")[1:])
 
 
 def test_row_columns_give_the_ceilings_of_the_rows_dtype(quick_cpu):
-    columns = ceilings.row_columns(quick_cpu, "fp32")
+    columns = ceiling_report.row_columns(quick_cpu, "fp32")
     assert columns["peak_tflops"] == quick_cpu.peak_tflops["fp32"]
-    assert ceilings.row_columns(quick_cpu, "fp8_e4m3")["peak_tflops"] is None
+    assert ceiling_report.row_columns(quick_cpu, "fp8_e4m3")["peak_tflops"] is None
 
 
 def test_row_columns_use_the_read_roof_and_carry_both(quick_cpu):
     measured = dataclasses.replace(quick_cpu, peak_bw_gbps=10.0, read_bw_gbps=20.0)
-    columns = ceilings.row_columns(measured, "fp32")
+    columns = ceiling_report.row_columns(measured, "fp32")
     assert columns["peak_bw_gbps"] == 20.0 and columns["bw_roof"] == "read"
     assert columns["peak_read_bw_gbps"] == 20.0 and columns["peak_copy_bw_gbps"] == 10.0
 
 
 def test_row_columns_fall_back_to_the_copy_roof_and_say_so(quick_cpu):
-    columns = ceilings.row_columns(dataclasses.replace(quick_cpu, peak_bw_gbps=10.0, read_bw_gbps=None), "fp32")
+    columns = ceiling_report.row_columns(dataclasses.replace(quick_cpu, peak_bw_gbps=10.0, read_bw_gbps=None), "fp32")
     assert columns["peak_bw_gbps"] == 10.0 and columns["bw_roof"] == "copy"
     assert columns["peak_read_bw_gbps"] is None and columns["peak_copy_bw_gbps"] == 10.0
 

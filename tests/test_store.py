@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from experiments.capacity import CapacityConfig, frontier_rows
-from harness import ceilings
+from harness import ceiling_report, ceilings
 from harness.store import atomic, disk
 from harness.store.schema import FRONTIER_COLUMNS, columns_markdown
 from harness.store.summary import format_summary, text_table
@@ -191,7 +191,7 @@ def test_the_summary_names_a_treatment_only_where_the_rows_differ_in_it(tmp_path
 
 
 def test_the_ceilings_table_gives_a_skipped_dtype_its_reason_under_the_note_header():
-    table = ceilings.format_table(fake_ceilings(), spec=ceilings.spec_for("NVIDIA L4"))
+    table = ceiling_report.format_table(fake_ceilings(), spec=ceilings.spec_for("NVIDIA L4"))
     header = next(line for line in table.splitlines() if line.startswith("ceiling"))
     skipped = next(line for line in table.splitlines() if "skipped" in line)
 

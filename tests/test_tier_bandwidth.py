@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from experiments.tiers import TiersConfig
-from harness import ceilings, tier_bandwidth
+from harness import ceiling_report, ceilings, tier_bandwidth
 from harness.ceilings import Ceilings
 from harness.errors import ConfigError
 from harness.kv import block_file
@@ -154,14 +154,14 @@ def test_ceilings_stored_before_the_tier_fields_still_load():
         del old[name]
     loaded = Ceilings.from_json(json.dumps(old))
     assert loaded.tier_gbps == {} and loaded.tier_direct_io is None
-    assert ceilings.tier_gbps(loaded, "disk_read") is None and "tier " not in ceilings.format_table(loaded)
+    assert ceilings.tier_gbps(loaded, "disk_read") is None and "tier " not in ceiling_report.format_table(loaded)
 
 
 def test_format_table_shows_the_tier_lines_as_measured(tmp_path):
     stored = ceilings.store_tier_figures(
         tmp_path / "c.json", fake_ceilings(), gbps=FIGURES, block_bytes=4096, disk_dir="/d", direct_io=True
     )
-    text = ceilings.format_table(stored)
+    text = ceiling_report.format_table(stored)
     for name in FIGURES:
         assert f"tier {name} GB/s" in text
     assert "measured: 4096 B blocks" in text and "O_DIRECT" in text

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from harness import accuracy, ceilings, fragmentation, kv, profile, reuse, roofline_row
+from harness import accuracy, ceiling_report, ceilings, fragmentation, kv, profile, reuse, roofline_row
 from harness.config import DTYPES, RunConfig
 from harness.decode import check_compilable, compile_decode_step, cudagraph_skips, generate
 from harness.environment import environment_columns
@@ -211,10 +211,10 @@ def model_id(cfg: RunConfig) -> str:
 def roofline_columns(cfg: RunConfig, *, args, tpot_ms: float | None, ttft_ms: float | None = None) -> dict:
     """The analytic step model of this point beside this device's measured ceilings (null peaks if not measured).
 
-    The memory roof is ceilings.row_columns()' choice (the read, or the copy for ceilings without one); bw_roof names
-    it, and both measured bandwidths ride along."""
+    The memory roof is ceiling_report.row_columns()' choice (the read, or the copy for ceilings without one); bw_roof
+    names it, and both measured bandwidths ride along."""
     stored = ceilings.read_stored(ceilings.ceilings_path(cfg.torch_device(), cfg.ceilings_dir or cfg.results_dir))
-    peaks = ceilings.row_columns(stored, cfg.dtype) if stored else {}
+    peaks = ceiling_report.row_columns(stored, cfg.dtype) if stored else {}
     passed = ("ceilings_fingerprint", "bw_roof", "peak_read_bw_gbps", "peak_copy_bw_gbps")
     return roofline_row.roofline_columns(
         cfg,
@@ -234,7 +234,7 @@ def prefix_prediction_columns(cfg: RunConfig, *, args, prefix_bytes: int) -> dic
         prefix_bytes=prefix_bytes,
         dtype=cfg.dtype,
         kv_dtype=cfg.kv_dtype_name,
-        peaks=ceilings.row_columns(stored, cfg.dtype) if stored else {},
+        peaks=ceiling_report.row_columns(stored, cfg.dtype) if stored else {},
         disk_read_gbps=ceilings.tier_gbps(stored, "disk_read") if stored else None,
     )
 
