@@ -1,4 +1,4 @@
-"""`kvbench-results compare A B` (harness/store/compare.py): pairs by workload key, and FAST / SLOW / SAME /
+"""`kvbench-results compare A B` (harness/store/compare.py, pairing.py): pairs by workload key, and FAST / SLOW / SAME /
 AMBIGUOUS verdicts on synthetic result sets whose differences are known."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harness.store import cli, compare, disk
+from harness.store import cli, compare, disk, pairing
 
 REPEATS = 10
 # Per prompt_len, the known truth: (A's TPOT, B's TPOT, relative noise of one repeat) in ms, ms, fraction.
@@ -272,7 +272,7 @@ def test_nulls_in_the_key_pair_with_nulls_only():
     a = pd.DataFrame([row("a-1", prompt_len=512, tpot=tpot, block_size=None)])
     b = pd.DataFrame([row("b-1", prompt_len=512, tpot=tpot, block_size=None), row("b-2", prompt_len=512, tpot=tpot)])
     b.loc[1, "block_size"] = 16
-    pairs = compare.pair(a, b)
+    pairs = pairing.pair(a, b)
     assert pairs.b["point_id"].tolist() == ["b-1"] and pairs.only_b["block_size"].tolist() == [16]
 
 
@@ -285,7 +285,7 @@ def test_of_several_rows_for_one_key_the_latest_is_taken_and_said():
             row("b-old", prompt_len=512, tpot=tpot, started_at="2026-12-01T00:00:00"),
         ]
     )
-    pairs = compare.pair(a, b)
+    pairs = pairing.pair(a, b)
     assert pairs.b["point_id"].tolist() == ["b-new"]
     (note,) = pairs.notes
     assert note.startswith("B: 2 rows for ") and "took the latest by started_at" in note
@@ -408,13 +408,13 @@ def test_cli_compare_exits_2_on_a_missing_or_empty_side(sweep_dirs, tmp_path, ca
 def test_best_pair_is_the_two_sweeps_sharing_the_most_keys_older_first():
     a, b = result_sets()  # sweeps "a" and "b" share the four KNOWN keys
     lone = pd.DataFrame([row("z-1", prompt_len=ONLY_B_PROMPT, tpot=samples(10.0, 0.01, seed=9))])  # newest, 1 key
-    assert compare.best_pair(pd.concat([a, b, lone], ignore_index=True)) == ("a", "b")
+    assert pairing.best_pair(pd.concat([a, b, lone], ignore_index=True)) == ("a", "b")
 
 
 def test_best_pair_is_none_when_no_two_sweeps_share_a_key():
     a, _ = result_sets()
     lone = pd.DataFrame([row("z-1", prompt_len=ONLY_B_PROMPT, tpot=samples(10.0, 0.01, seed=9))])
-    assert compare.best_pair(pd.concat([a, lone], ignore_index=True)) is None
+    assert pairing.best_pair(pd.concat([a, lone], ignore_index=True)) is None
 
 
 def test_a_pair_measured_on_different_devices_or_a_busy_host_is_noted():

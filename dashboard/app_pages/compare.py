@@ -6,7 +6,7 @@ import streamlit as st
 
 from dashboard.charts.compare import ratio_chart, styled_verdicts, verdict_table
 from dashboard.sidebar import page_rows, plot
-from harness.store import compare
+from harness.store import compare, pairing
 from harness.store.disk import MEASUREMENT_KEY
 
 st.title("Compare")
@@ -27,7 +27,7 @@ if len(sweeps) < 2:
 
 sizes = rows["sweep_id"].astype(str).value_counts()
 # Open on the two sweeps that share the most points (else the two latest), so that the page starts with verdicts.
-default_a, default_b = compare.best_pair(rows) or (sweeps[-2], sweeps[-1])
+default_a, default_b = pairing.best_pair(rows) or (sweeps[-2], sweeps[-1])
 left, right, metric_column, threshold_column = st.columns(4)
 a_sweep = left.selectbox(
     "A (baseline) sweep", sweeps, index=sweeps.index(default_a), format_func=lambda s: f"{s} ({sizes[s]} rows)"
