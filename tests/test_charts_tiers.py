@@ -1,5 +1,5 @@
-"""The KV tiers & transfer charts (dashboard/charts/tiers.py) on synthetic frames in the contracts: tier-bandwidth and
-PD-transfer tables with every TIER_COLUMNS / PD_COLUMNS column, and prefix-reuse decode rows."""
+"""The KV tiers & transfer charts (dashboard/charts/tiers.py, transfer.py) on synthetic frames in the contracts:
+tier-bandwidth and PD-transfer tables with every TIER_COLUMNS / PD_COLUMNS column, and prefix-reuse decode rows."""
 
 from __future__ import annotations
 
@@ -13,10 +13,6 @@ import pytest
 from dashboard.charts.common import MissingColumns
 from dashboard.charts.tiers import (
     crossing,
-    pd_caption,
-    pd_step_crossings,
-    pd_transfer,
-    pd_ttft,
     prefix_caption,
     prefix_reuse_rows,
     prefix_workloads,
@@ -24,6 +20,7 @@ from dashboard.charts.tiers import (
     tier_caption,
     ttft_by_prefix_source,
 )
+from dashboard.charts.transfer import pd_caption, pd_step_crossings, pd_transfer, pd_ttft
 from harness import kv
 from harness.kv import KVCache, Layout, Serving
 from harness.store.tables import PD_COLUMNS, TIER_COLUMNS

@@ -11,11 +11,6 @@ import streamlit as st
 from dashboard import data
 from dashboard.charts.common import MissingColumns
 from dashboard.charts.tiers import (
-    pd_caption,
-    pd_step_crossings,
-    pd_transfer,
-    pd_ttft,
-    pd_workloads,
     prefix_caption,
     prefix_reuse_rows,
     prefix_workloads,
@@ -24,6 +19,7 @@ from dashboard.charts.tiers import (
     tier_run_labels,
     ttft_by_prefix_source,
 )
+from dashboard.charts.transfer import pd_caption, pd_step_crossings, pd_transfer, pd_ttft, pd_workloads
 from dashboard.sidebar import current, plot
 
 NO_TIERS_HELP = (
