@@ -8,7 +8,8 @@ folder; this module sizes them beforehand and judges them afterwards:
 
 `report` merges every stage's rows into one parquet (a `stage` column says whose), the profiler tables into another,
 copies the stored ceilings, and writes summary.md: the machine, each stage's exit status and seconds, the key rows,
-and last one verdict line per target (PASS, FAIL or N/A), computed by `verdicts()` from the rows alone.
+and last one verdict line per target (PASS, FAIL or N/A), computed from the rows alone by
+experiments/gpu_verdicts.py's `verdicts()`.
 
 The sizing (each stage's predicted seconds, upper bounds, not figures to quote) is experiments/sizing.py.
 """
@@ -20,11 +21,11 @@ import json
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
+from experiments.gpu_verdicts import LONG_CONTEXT_TOKENS, STAGE_COLUMN, Verdict, verdicts
 from experiments.sizing import (
     H200,
     ROOT,
@@ -36,213 +37,9 @@ from experiments.sizing import (
 )
 from harness import crossover
 from harness.errors import exit_on_config_error
-from harness.kv.contiguous import ContiguousCache
-from harness.kv.paged import PagedCache
 from harness.store import disk
 
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-
-# --- verdicts ------------------------------------------------------------------------------------------------------
-
-STAGE_COLUMN = "stage"  # the merged rows' column naming the stage that measured each
-DECODE_STAGE = "decode"
-# Of the row's memory roof (bw_util), at batch 1 in bf16: the measured streaming read since ceilings METHOD_VERSION 3
-# (a GEMV only reads), the copy on rows measured before it; the verdict's text names which (bw_roof).
-BANDWIDTH_TARGET = 0.80
-PAGED_TARGET = 0.05  # paged TPOT at most 5% above contiguous, same workload
-DENSE, PAGED = ContiguousCache.name, PagedCache.name  # the strategies the bandwidth and paged targets name
-LONG_CONTEXT_TOKENS = 8192
-NVML_COLUMNS = ("nvml_timed_samples", "energy_j_per_token", "sm_clock_mhz_min")
-# What makes two rows the same workload, so that they differ only in the strategy or the KV format compared.
-WORKLOAD = ("model", "n_kv_heads", "dtype", "batch_size", "prompt_len", "gen_len", "prefix_len", "lengths",
-            "weights", "device", "compile", "seed")  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Verdict:
-    status: str  # PASS, FAIL or N/A
-    target: str
-    text: str
-
-    def line(self) -> str:
-        return f"{self.status:<4}  {self.target}: {self.text}"
-
-
-def _eager(rows: pd.DataFrame) -> pd.DataFrame:
-    """kvbench's own fixed-length points without compilation: the ones whose timings compare."""
-    keep = rows["compile"].fillna("none").eq("none") & rows["lengths"].fillna("fixed").eq("fixed")
-    return rows[keep & rows["runner"].fillna("kvbench").eq("kvbench")]
-
-
-def _latest(rows: pd.DataFrame) -> pd.DataFrame:
-    return rows.sort_values("started_at", na_position="first", kind="stable")
-
-
-def _not_ok(rows: pd.DataFrame) -> str:
-    row = _latest(rows).iloc[-1]
-    return f"the point ended {row['status']}: {' '.join(str(row['error']).split())[:120]}"
-
-
-def bandwidth_verdict(rows: pd.DataFrame) -> Verdict:
-    """bw_util of the contiguous bf16 batch-1 decode: the decode stage's row when there is a stage column, and of
-    several the shortest context (where the weights are nearly all the bytes), then the latest."""
-    target = "bandwidth"
-    eager = _eager(rows)
-    candidates = eager[
-        eager["cache"].eq(DENSE) & eager["dtype"].eq("bf16") & eager["kv_dtype"].eq("bf16") & eager["batch_size"].eq(1)
-    ]
-    if candidates.empty:
-        return Verdict("N/A", target, "no contiguous bf16 batch-1 decode row")
-    ok = candidates[candidates["status"].eq("ok")]
-    if ok.empty:
-        return Verdict("FAIL", target, _not_ok(candidates))
-    if STAGE_COLUMN in ok.columns and ok[STAGE_COLUMN].eq(DECODE_STAGE).any():
-        ok = ok[ok[STAGE_COLUMN].eq(DECODE_STAGE)]  # the decode stage's, not the crossover's few steps at batch 1
-    row = _latest(ok[ok["prompt_len"].eq(ok["prompt_len"].min())]).iloc[-1]
-    if pd.isna(row["bw_util"]):
-        return Verdict("FAIL", target, "bw_util is null: no measured ceilings for this device (see the ceilings stage)")
-    memory = "HBM" if row["device"] == "cuda" else "memory"
-    roof = row.get("bw_roof")  # read since the read roof (METHOD_VERSION 3); copy, or null, on older rows
-    memory += f" {roof}" if isinstance(roof, str) else ""
-    status = "PASS" if row["bw_util"] >= BANDWIDTH_TARGET else "FAIL"
-    return Verdict(
-        status,
-        target,
-        f"{row['bw_util']:.0%} of measured {memory} bandwidth at batch 1 in bf16 (target >= {BANDWIDTH_TARGET:.0%};"
-        f" {row['model']}, prompt {row['prompt_len']}, TPOT {row['tpot_ms']:.3f} ms,"
-        f" {row['achieved_bw_gbps']:.0f} of {row['peak_bw_gbps']:.0f} GB/s)",
-    )
-
-
-def _pairs(rows: pd.DataFrame, *, key: Sequence[str], column: str, first: str, second) -> list[tuple]:
-    """(key values, row with column == first, row with column matching `second`) for every workload that has both,
-    the latest row of each side; `second` is a value or a predicate on the row."""
-    pairs = []
-    for values, group in rows.groupby(list(key), dropna=False, sort=True):
-        left = group[group[column].eq(first)]
-        right = group[group.apply(second, axis=1)] if callable(second) else group[group[column].eq(second)]
-        if not left.empty and not right.empty:
-            pairs.append((values, _latest(left).iloc[-1], _latest(right).iloc[-1]))
-    return pairs
-
-
-def paged_verdict(rows: pd.DataFrame) -> Verdict:
-    """paged TPOT against contiguous TPOT, every workload and KV format measured with both: the worst pair."""
-    target = "paged-overhead"
-    ok = _eager(rows)
-    ok = ok[ok["status"].eq("ok") & ok["tpot_ms"].notna()]
-    pairs = _pairs(ok, key=[*WORKLOAD, "kv_dtype"], column="cache", first=PAGED, second=DENSE)
-    if not pairs:
-        return Verdict("N/A", target, "no paged and contiguous rows of the same workload")
-    ratios = [(paged["tpot_ms"] / contiguous["tpot_ms"], paged, contiguous) for _, paged, contiguous in pairs]
-    ratio, paged, contiguous = max(ratios, key=lambda item: item[0])
-    status = "PASS" if ratio <= 1 + PAGED_TARGET else "FAIL"
-    return Verdict(
-        status,
-        target,
-        f"paged TPOT {ratio - 1:+.1%} against contiguous at worst, of {len(pairs)} workloads (target <= "
-        f"+{PAGED_TARGET:.0%}; worst: {paged['kv_dtype']} KV, batch {paged['batch_size']}, prompt "
-        f"{paged['prompt_len']}: {paged['tpot_ms']:.3f} vs {contiguous['tpot_ms']:.3f} ms)",
-    )
-
-
-def fp8_verdict(rows: pd.DataFrame, *, long_context_tokens: int = LONG_CONTEXT_TOKENS) -> Verdict:
-    """fp8_e4m3 KV against KV at the compute dtype, same strategy and workload, at prompts of at least
-    long_context_tokens: faster in every pair. The fp8 rows' top-1 agreement with the exact cache is reported."""
-    target = "fp8-long-context"
-    ok = _eager(rows)
-    ok = ok[ok["status"].eq("ok") & ok["tpot_ms"].notna() & ok["prompt_len"].ge(long_context_tokens)]
-    pairs = _pairs(
-        ok,
-        key=[*WORKLOAD, "cache", "block_size"],
-        column="kv_dtype",
-        first="fp8_e4m3",
-        second=lambda row: row["kv_dtype"] == row["dtype"],
-    )
-    if not pairs:
-        return Verdict("N/A", target, f"no fp8_e4m3 and full-precision KV rows of one workload at >= "
-                       f"{long_context_tokens} tokens")  # fmt: skip
-    parts, faster = [], True
-    for _, fp8, full in pairs:
-        ratio = fp8["tpot_ms"] / full["tpot_ms"]
-        faster &= bool(ratio < 1)
-        agreement = "" if pd.isna(fp8["top1_agreement"]) else f", top-1 {fp8['top1_agreement']:.3f}"
-        parts.append(f"{fp8['cache']} {ratio:.2f}x{agreement}")
-    context = int(max(fp8["prompt_len"] for _, fp8, _ in pairs))
-    return Verdict(
-        "PASS" if faster else "FAIL",
-        target,
-        f"fp8_e4m3 TPOT / {pairs[0][2]['kv_dtype']} TPOT at {context} tokens: {'; '.join(parts)} (target < 1x)",
-    )
-
-
-def reduce_overhead_verdict(rows: pd.DataFrame) -> Verdict:
-    """The compile=reduce-overhead row: ok, and inductor skipped CUDA graphs 0 times (cudagraph_skips)."""
-    target = "reduce-overhead"
-    compiled = rows[rows["compile"].eq("reduce-overhead")]
-    if compiled.empty:
-        return Verdict("N/A", target, "no compile=reduce-overhead row")
-    row = _latest(compiled).iloc[-1]
-    if row["status"] == "unsupported" and row["device"] != "cuda":
-        return Verdict("N/A", target, f"unsupported on {row['device']}: {' '.join(str(row['error']).split())}")
-    if row["status"] != "ok":
-        return Verdict("FAIL", target, _not_ok(compiled))
-    if "cudagraph_skips" not in rows.columns:
-        return Verdict("N/A", target, "column missing: cudagraph_skips")
-    if pd.isna(row["cudagraph_skips"]):
-        return Verdict("N/A", target, "cudagraph_skips is null on the reduce-overhead row")
-    skips = int(row["cudagraph_skips"])
-    return Verdict(
-        "PASS" if skips == 0 else "FAIL",
-        target,
-        f"CUDA graphs skipped {skips} times ({row['model']}, batch {row['batch_size']}, TPOT {row['tpot_ms']:.3f} "
-        "ms; target 0)",
-    )
-
-
-def nvml_verdict(rows: pd.DataFrame) -> Verdict:
-    """Every ok CUDA row read NVML inside its timed window: samples taken, energy per token and the minimum SM clock
-    recorded."""
-    target = "energy-clocks"
-    missing = [name for name in NVML_COLUMNS if name not in rows.columns]
-    if missing:
-        return Verdict("N/A", target, f"column missing: {', '.join(missing)}")
-    cuda = rows[rows["status"].eq("ok") & rows["device"].eq("cuda")]
-    if cuda.empty:
-        return Verdict("N/A", target, "no ok CUDA rows (NVML reads CUDA devices only)")
-    read = cuda["nvml_timed_samples"].fillna(0).gt(0) & cuda["energy_j_per_token"].notna()
-    read &= cuda["sm_clock_mhz_min"].notna()
-    if read.all():
-        return Verdict(
-            "PASS",
-            target,
-            f"all {len(cuda)} ok CUDA rows sampled NVML in their timed window (at least "
-            f"{int(cuda['nvml_timed_samples'].min())} samples; SM clock at least {int(cuda['sm_clock_mhz_min'].min())} MHz)",
-        )
-    lacking = cuda[~read]
-    named = "; ".join(
-        " ".join(str(row[name]) for name in (STAGE_COLUMN, "cache", "kv_dtype") if isinstance(row.get(name), str))
-        + f" batch {row['batch_size']}"
-        for _, row in lacking.head(3).iterrows()
-    )
-    return Verdict(
-        "FAIL",
-        target,
-        f"{len(lacking)} of {len(cuda)} ok CUDA rows lack NVML samples, energy or the SM clock from the timed window "
-        f"({named}{'; ...' if len(lacking) > 3 else ''})",
-    )
-
-
-def verdicts(rows: pd.DataFrame, *, long_context_tokens: int = LONG_CONTEXT_TOKENS) -> list[Verdict]:
-    """One verdict per target, in this order: bandwidth, paged overhead, fp8 at long context, CUDA graphs, NVML."""
-    return [
-        bandwidth_verdict(rows),
-        paged_verdict(rows),
-        fp8_verdict(rows, long_context_tokens=long_context_tokens),
-        reduce_overhead_verdict(rows),
-        nvml_verdict(rows),
-    ]
-
 
 # --- the report ----------------------------------------------------------------------------------------------------
 

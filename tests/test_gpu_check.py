@@ -1,8 +1,9 @@
 """The GPU check: its verdicts on synthetic rows, its stages against their limits, its report, and its dry run.
 
 scripts/gpu_check.sh runs once in a rare 15-minute window on an H200; what can be checked without one is checked
-here. The verdicts (experiments.gpu_check) read rows shaped as harness.store.disk.load returns them; the stages' limits
-are read from the script itself; the slow test runs the whole script on the CPU (GPU_CHECK_DRY=1) into tmp_path.
+here. The verdicts (experiments.gpu_verdicts) read rows shaped as harness.store.disk.load returns them; the stages'
+limits are read from the script itself; the slow test runs the whole script on the CPU (GPU_CHECK_DRY=1) into
+tmp_path.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pandas as pd
 import pytest
 
 from experiments import gpu_check, sizing
-from experiments.gpu_check import (
+from experiments.gpu_verdicts import (
     bandwidth_verdict,
     fp8_verdict,
     nvml_verdict,
