@@ -159,7 +159,7 @@ class Engine:
             slots=tuple(self._slot(entry.request_id) for entry in entries),
             start_pos=tuple(entry.num_computed_tokens for entry in entries),
             n_new=tuple(entry.num_new_tokens for entry in entries),
-            block_tables=tuple(entry.block_ids for entry in entries) if self.paged else (),
+            block_tables=tuple(entry.blocks.get_block_ids() for entry in entries) if self.paged else (),
             window=self.window,
         )
         tokens = to_device([ids], self.device)[0][None]  # [1, N], pinned and non-blocking on CUDA
