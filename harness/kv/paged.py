@@ -215,10 +215,10 @@ class PagedCache(kv.KVCache):
         if isinstance(start_pos, varlen.SeqBatch):  # sequences at their own positions, flattened
             kernel = self._varlen_decode if self.attn_backend == "triton-paged" else None
             return varlen.attend(self, layer, q, k, v, start_pos, self._varlen, decode_in_place=kernel)
-        self._check_own_tables("an int position")
         if isinstance(start_pos, torch.Tensor):  # a decode step at static shapes: the position [1] on the device
             assert self._static is not None, "static shapes: after enable_static_decode"
             return self._static.attend(self, layer, q, k, v, start_pos)
+        self._check_own_tables("an int position")  # not in the compiled step: enable_static_decode checked
         in_place = self.attn_backend in ("flashinfer", "triton-paged")
         if q.shape[2] == 1 and in_place:  # a decode step: read the blocks in place
             self._write(layer, k, v, start_pos)

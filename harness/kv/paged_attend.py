@@ -55,12 +55,18 @@ def decode_backend(spec: CacheSpec, *, static: bool = False) -> str:
 
 
 def triton_decode(
-    cache, layer: int, q: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, *, max_len: int,
+    cache,
+    layer: int,
+    q: torch.Tensor,
+    table: torch.Tensor,
+    lens: torch.Tensor,
+    *,
+    max_len: int,
     n_splits: int | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """q [b, H, D] over the first lens[i] positions of each sequence, through `table` [b, max_blocks] (device
     tensors both) into the cache's pools -> [b, H, D]. max_len: a host-side bound on lens (the kernel's splits are
-    sized by it). `cache` is a harness.kv.paged.PagedCache."""
+    sized by it; n_splits None: paged_decode sizes them). `cache` is a harness.kv.paged.PagedCache."""
     from harness.kv import triton_paged
 
     scales = {}
