@@ -195,16 +195,16 @@ def cuda_spec(args, *, kv_dtype: str, dtype: str | None) -> CacheSpec:
 def test_flashinfer_is_chosen_only_for_queries_of_the_pages_dtype_and_never_in_a_compiled_step(
     tiny_args, monkeypatch, kv_dtype, dtype, static, expected
 ):
-    from harness.kv import paged, triton_kernels
+    from harness.kv import paged_attend, triton_kernels
 
     if triton_kernels.UNAVAILABLE is not None:
         pytest.skip(triton_kernels.UNAVAILABLE)
-    monkeypatch.setattr(paged, "flashinfer_installed", lambda: True)
-    assert paged.decode_backend(cuda_spec(tiny_args, kv_dtype=kv_dtype, dtype=dtype), static=static) == expected
+    monkeypatch.setattr(paged_attend, "flashinfer_installed", lambda: True)
+    assert paged_attend.decode_backend(cuda_spec(tiny_args, kv_dtype=kv_dtype, dtype=dtype), static=static) == expected
 
 
 def test_flashinfer_page_lists_are_the_host_tables_in_csr_form():
-    from harness.kv.paged import flashinfer_page_lists
+    from harness.kv.paged_attend import flashinfer_page_lists
 
     indptr, indices, last_page_len = flashinfer_page_lists([[7, 2, 5], [0, 4, 1]], n_tokens=9, block_size=4)
     assert indptr.tolist() == [0, 3, 6] and indices.tolist() == [7, 2, 5, 0, 4, 1] and last_page_len.tolist() == [1, 1]

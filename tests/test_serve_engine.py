@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from harness import kv
+from harness.errors import Unsupported
 from harness.kv.base import CacheSpec
 from harness.model import build_model
 from harness.model_args import ModelArgs
@@ -75,6 +76,19 @@ def assert_solo_equal(requests, prompts, result, *, cache="contiguous", window=0
         assert_same_greedy_tokens(actual[None], expected[None], logits[None], tol=LOGIT_TOL["fp32"])
 
 
+@pytest.mark.parametrize("strategy", ["paged", "prefix", "sliding"])
+def test_a_blocks_pool_keeps_no_block_table_but_the_schedulers_and_refuses_int_positions(strategy):
+    """Issue #28: the KV manager's tables, brought by each SeqBatch, are the only ones; the int-position paths,
+    which would read the cache's own, say so in one line."""
+    cache, num_slots = build_cache(strategy, ARGS, kv_dtype="fp32", num_blocks=8, block_size=BLOCK,
+                                   max_model_len=MAX_MODEL_LEN, device=CPU)  # fmt: skip
+    assert num_slots is None and (cache.free_blocks, cache.tables, cache.table) == (None, None, None)
+    with pytest.raises(Unsupported, match="own block tables, and a serving pool keeps none"):
+        cache.prepare(0, 1)
+    with pytest.raises(Unsupported, match="compile needs this cache's own block tables"):
+        cache.enable_static_decode()
+
+
 @pytest.mark.parametrize("strategy", ["contiguous", "paged", "prefix"])
 def test_mixed_lengths_with_chunked_prefill_match_solo_decoding(strategy):
     requests, prompts = mixed_requests()
@@ -107,7 +121,7 @@ def test_sliding_window_on_the_paged_pool_matches_the_ring_cache():
     requests, prompts = mixed_requests()
     result, iterations = run_engine(requests, prompts, strategy="sliding", window=8, max_num_batched_tokens=16)
     # A window of 8 tokens holds at most ceil((8 + 16 - 1) / 4) + 1 = 7 blocks per request, whatever its length.
-    assert max(len([b for b in s.block_ids if b is not None]) for o in iterations for s in o.scheduled) <= 7
+    assert max(len(s.blocks.held()[1]) for o in iterations for s in o.scheduled) <= 7
     assert_solo_equal(requests, prompts, result, cache="sliding", window=8)
 
 
@@ -121,7 +135,7 @@ def test_decodes_through_the_triton_kernel_match_solo_decoding(kv_dtype):
     scheduler = Scheduler(SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=16), manager)
     cache, _ = build_cache("paged", ARGS, kv_dtype=kv_dtype, num_blocks=128, block_size=BLOCK,
                            max_model_len=MAX_MODEL_LEN, device=CPU)  # fmt: skip
-    cache.attn_backend = "triton-paged"  # what CUDA runs (harness.kv.paged.decode_backend)
+    cache.attn_backend = "triton-paged"  # what CUDA runs (harness.kv.paged_attend.decode_backend)
     calls = []
     kernel = cache._varlen_decode
     cache._varlen_decode = lambda *args: calls.append(1) or kernel(*args)

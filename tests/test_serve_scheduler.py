@@ -11,7 +11,7 @@ import math
 import pytest
 
 from harness.errors import ConfigError
-from harness.serve.kv_manager import PagedKVManager, make_kv_manager, num_blocks_for
+from harness.serve.kv_manager import KVCacheBlocks, PagedKVManager, make_kv_manager, num_blocks_for
 from harness.serve.requests import Request, RequestSpec, generate
 from harness.serve.scheduler import Scheduler, SchedulerConfig, simulate
 
@@ -170,7 +170,7 @@ def test_a_tiny_pool_preempts_the_last_admitted_by_recompute():
             assert [entry.request_id for entry in output.scheduled] == [0]
             victim = scheduler.waiting[0]  # at the front of the queue
             assert victim.request.request_id == 1 and victim.num_computed_tokens == 0
-            assert victim.num_output_tokens > 0 and kv.block_table(1) == []
+            assert victim.num_output_tokens > 0 and kv.get_blocks(1).get_block_ids() == ()
             outputs_before = victim.num_output_tokens
         elif preempted_at is not None and 1 in [entry.request_id for entry in output.scheduled]:
             resumed = next(entry for entry in output.scheduled if entry.request_id == 1)
@@ -226,11 +226,11 @@ def test_a_window_swapped_back_in_takes_only_its_window_and_is_refilled_in_place
             first_kept = (entry.num_computed_tokens - 8 + 1) // 4
             held = math.ceil(entry.num_computed_tokens / 4)
             assert first_kept > 0, "the window had not slid yet: a weaker case"
-            assert all(block is None for block in entry.block_ids[:first_kept])
-            assert all(block is not None for block in entry.block_ids[first_kept:])
+            assert all(block is None for block in entry.blocks.get_block_ids()[:first_kept])
+            assert all(block is not None for block in entry.blocks.get_block_ids()[first_kept:])
             assert swap.logical == tuple(range(first_kept, held))  # every held block of the window, in place
             assert set(swap.logical) <= saved[swap.request_id]
-            assert swap.blocks == entry.block_ids[first_kept:held]
+            assert swap.blocks == entry.blocks.get_block_ids()[first_kept:held]
             readmissions += 1
     assert readmissions >= 2
 
@@ -241,9 +241,11 @@ def test_a_prefix_request_swapped_back_in_restores_only_the_blocks_it_owns():
     for output in swap_stream("prefix", num_blocks=9):
         for swap in output.swap_in:
             entry = next(entry for entry in output.scheduled if entry.request_id == swap.request_id)
-            others = {block for e in output.scheduled if e.request_id != swap.request_id for block in e.block_ids}
+            others = {
+                block for e in output.scheduled if e.request_id != swap.request_id for block in e.blocks.get_block_ids()
+            }
             assert not set(swap.blocks) & others, f"swap-in writes blocks others hold: {set(swap.blocks) & others}"
-            prefix_blocks = set(entry.block_ids[:2])  # the 8-token prefix: two whole blocks
+            prefix_blocks = set(entry.blocks.get_block_ids()[:2])  # the 8-token prefix: two whole blocks
             assert not set(swap.blocks) & prefix_blocks
             shared_hits += bool(prefix_blocks & others)
             held = math.ceil(entry.num_computed_tokens / 4)
@@ -270,9 +272,9 @@ def test_prefix_hits_are_the_whole_prefix_blocks_for_every_request_after_the_fir
         scheduler.add_request(request)
     output = scheduler.schedule(now_s=0.0)
     assert [entry.num_computed_tokens for entry in output.scheduled] == [0, 32, 32, 32, 32]  # 2 whole blocks of 40
-    shared = {entry.block_ids[:2] for entry in output.scheduled}
+    shared = {entry.blocks.get_block_ids()[:2] for entry in output.scheduled}
     assert len(shared) == 1  # one physical copy of the prefix blocks
-    private_blocks = sum(len(entry.block_ids) - 2 for entry in output.scheduled)
+    private_blocks = sum(len(entry.blocks.get_block_ids()) - 2 for entry in output.scheduled)
     assert output.kv.blocks_used == 2 + private_blocks  # counted once
     assert output.kv.tokens_live == 32 + 5 * (100 - 32)
     now_s, records = 1.0, scheduler.update(output, now_s=1.0)
@@ -281,6 +283,17 @@ def test_prefix_hits_are_the_whole_prefix_blocks_for_every_request_after_the_fir
         records += scheduler.update(scheduler.schedule(now_s - 1.0), now_s=now_s)
     hits = {record.request_id: record.prefix_hit_tokens for record in records}
     assert hits == {"0": 0, "1": 32, "2": 32, "3": 32, "4": 32}
+
+
+def test_an_allocation_hands_back_the_requests_blocks_counting_those_it_took_new():
+    """The manager's answer is a KVCacheBlocks value (vLLM v1's), not its table: prefix hits first, new blocks last."""
+    kv = PagedKVManager(num_blocks=6, block_size=4, prefix_caching=True)
+    kv.allocate(Request(request_id=0, arrival_s=0.0, prompt_len=9, output_len=1, prefix_len=8), 9)
+    second = Request(request_id=1, arrival_s=0.0, prompt_len=9, output_len=1, prefix_len=8)
+    blocks = kv.allocate(second, 9, num_computed_tokens=kv.cached_prefix_tokens(second, 9))
+    assert blocks.get_block_ids()[:2] == kv.get_blocks(0).get_block_ids()[:2]  # the two prefix blocks, shared
+    assert blocks.num_new == 1 and blocks.new_block_ids == blocks.get_block_ids()[2:]
+    assert kv.get_blocks(1) == KVCacheBlocks(blocks.get_block_ids())  # a look-up: the same table, nothing new
 
 
 def test_prefix_blocks_stay_cached_unreferenced_and_are_evicted_when_the_pool_needs_them():
@@ -306,7 +319,7 @@ def test_sliding_holds_a_bounded_number_of_blocks_per_request():
     held_at_decode = []
     for output in simulation.iterations:
         for entry in output.scheduled:
-            held = sum(block is not None for block in entry.block_ids)
+            held = sum(block is not None for block in entry.blocks.get_block_ids())
             if entry.is_prefill:
                 assert held <= math.ceil((WINDOW + entry.num_new_tokens - 1) / BLOCK_SIZE) + 1
             else:

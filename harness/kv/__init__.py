@@ -40,6 +40,7 @@ _NOT_STRATEGIES = {
     "base",
     "block_file",
     "host",
+    "paged_attend",
     "quant",
     "tiers",
     "triton_kernels",

@@ -5,17 +5,15 @@ takes a block only when it grows into it and returns all of them on completion, 
 most one partly filled block instead of everything reserved up to its maximum length. Paging cuts fragmentation,
 not the total: the tokens present cost exactly what they cost in a contiguous buffer.
 
-Attention follows the block table. A decode step on CUDA reads the blocks in place: FlashInfer's paged decode for
-fp16/bf16 storage read by queries of the same dtype when `flashinfer` is installed, else the Triton kernel of
-harness.kv.triton_paged (plain, int8 and fp8 storage, dequantized in registers). Prefill, int4, and the CPU gather the
+Attention follows the block table. A decode step on CUDA reads the blocks in place (harness.kv.paged_attend:
+FlashInfer's paged decode, or the Triton kernel of harness.kv.triton_paged); prefill, int4, and the CPU gather the
 sequence's blocks into a contiguous tensor first and run SDPA over it. `attn_backend` says which decode path ran:
-"flashinfer", "triton-paged", "sdpa-gather", or "sdpa-gather-masked" (static shapes, below).
+"flashinfer", "triton-paged", "sdpa-gather", or "sdpa-gather-masked" (static shapes: `compile`, where the block
+bookkeeping stays eager on the host, `prepare` copying new rows to the device table, and the compiled step attends
+over every block that table can hold, paged_attend.StaticDecode).
 
-Static shapes (`compile`, harness.decode.compile_decode_step): the block bookkeeping stays eager and on the host
-(`prepare` grows the tables and copies new rows to the device table); the compiled step receives its position as a
-device tensor, writes through the device table, and attends over every block the table can hold: the Triton kernel
-with the lengths taken from the device, or on the CPU a gather of the whole table under a length mask, as
-`contiguous` does. FlashInfer plans on the host every step, so a compiled step never takes it.
+Serving (harness.serve): a pool built `for_scheduler` keeps no tables of its own; each forward's SeqBatch brings
+the scheduler's, the only ones.
 
 Quantized formats (harness.kv.quant) keep their narrow data in the pool and their scales in pools of their own,
 block for block, so a block returned to the pool frees its scales too. int4 key scales cover a group of
@@ -25,8 +23,6 @@ kv_group_size tokens, so block_size must divide it or be a multiple of it.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -36,7 +32,7 @@ from harness import kv
 from harness.errors import ConfigError, KVPoolExhausted, Unsupported
 from harness.formats import BITS, DTYPE_BYTES, SCALE_BYTES
 from harness.formats import PLAIN as PLAIN_NAMES
-from harness.kv import host, varlen
+from harness.kv import host, paged_attend, varlen
 from harness.kv.base import (
     CacheSpec,
     KVAllocation,
@@ -47,42 +43,10 @@ from harness.kv.base import (
     cache_width,
     codec_transients,
     data_row_bytes,
-    grouped_attention,
     int4_tail_bytes,
     scale_parts,
 )
-from harness.kv.quant import FP8, TokenFormat, storage_format
-
-log = logging.getLogger(__name__)
-FLASHINFER_DTYPES = ("fp16", "bf16")  # what its paged decode reads here; fp8 would need its own scale layout
-FLASHINFER_WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's documented default for its split-K scratch
-
-
-def flashinfer_installed() -> bool:
-    return importlib.util.find_spec("flashinfer") is not None
-
-
-def decode_backend(spec: CacheSpec, *, static: bool = False) -> str:
-    """Which decode attention a paged cache runs: in place on CUDA when a kernel can read its format, else a gather.
-
-    FlashInfer's decode reads fp16/bf16 pages with queries of the same dtype only (its plan takes q_data_type and
-    kv_data_type, and its kernels are instantiated for equal ones), so it needs the compute dtype to be the storage
-    dtype; a static-shape (compiled) step never takes it, since it plans on the host every step. The kernel modules
-    are imported only on CUDA: the CPU never pays for importing triton."""
-    gather = "sdpa-gather-masked" if static else "sdpa-gather"
-    # eager: the scores materialized, never a kernel; the kernels read a V pool of K's width, MLA's latent has none
-    if spec.device.type != "cuda" or spec.attn_impl == "eager" or spec.latent_v_dim:
-        return gather
-    same_dtype = spec.dtype is not None and spec.kv_dtype == spec.dtype
-    if not static and spec.kv_dtype in FLASHINFER_DTYPES and same_dtype and flashinfer_installed():
-        return "flashinfer"
-    from harness.kv import triton_paged
-
-    reason = triton_paged.kernel_unsupported(spec.kv_dtype, spec.device)
-    if reason is None:
-        return "triton-paged"
-    log.warning("paged %s on %s decodes by gathering the blocks: %s", spec.kv_dtype, spec.device, reason)
-    return gather
+from harness.kv.quant import FP8, storage_format
 
 
 @dataclass(frozen=True)
@@ -117,7 +81,7 @@ class PagedCache(kv.KVCache):
     recomputes_prefix: ClassVar[bool] = False
     prefix_hit: bool | None = None  # a prefix cache (harness.kv.prefix) sets it at every prefill
 
-    def __init__(self, spec: CacheSpec, options: Options) -> None:
+    def __init__(self, spec: CacheSpec, options: Options, *, own_tables: bool = True) -> None:
         self.spec, self.block_size = spec, options.block_size
         blocks_per_seq = blocks_for(spec.max_tokens, self.block_size)
         if options.pool_tokens is None:
@@ -145,19 +109,34 @@ class PagedCache(kv.KVCache):
             for name, part in parts.items()
         }
         self.rows = {"k": self.k_pool, "v": self.v_pool, **self.scales}  # by part name
-        self.free_blocks = list(range(n_blocks - 1, -1, -1))  # a stack: pop() hands out block 0 first
-        self.tables: list[list[int]] = [[] for _ in range(spec.batch_size)]  # per sequence: block ids in order
-        # The same tables on the device, for gathers: [B, blocks_per_seq]; refreshed only when a block is added.
-        self.table = torch.zeros((spec.batch_size, blocks_per_seq), dtype=torch.long, device=spec.device)
+        # None, all three, in a serving pool (for_scheduler): the scheduler's tables are the only ones.
+        self.free_blocks: list[int] | None = None  # a stack: pop() hands out block 0 first
+        self.tables: list[list[int]] | None = None  # per sequence: block ids in order
+        self.table: torch.Tensor | None = None  # the same on the device, for gathers: [B, blocks_per_seq]
+        if own_tables:  # the device table is refreshed only when a block is added
+            self.free_blocks = list(range(n_blocks - 1, -1, -1))
+            self.tables = [[] for _ in range(spec.batch_size)]
+            self.table = torch.zeros((spec.batch_size, blocks_per_seq), dtype=torch.long, device=spec.device)
         self.n_tokens = 0  # tokens present per sequence (all sequences of a batch move in step)
-        self.attn_backend = decode_backend(spec)
+        self.attn_backend = paged_attend.decode_backend(spec)
         self._lens: tuple[tuple[int, int], torch.Tensor] | None = None  # (batch, tokens) -> [B] int32 on the device
         self._varlen: varlen.VarlenRows | None = None  # the current SeqBatch's addresses (prepare)
-        self._flashinfer = None  # its decode wrapper, made at the first decode step
-        self._flashinfer_plan: tuple[int, int] | None = None  # (batch, tokens) the wrapper is planned for
-        # Set by enable_static_decode: [max_blocks * bs] positions for the length mask; the kernel's split count.
-        self._positions: torch.Tensor | None = None
-        self._static_splits: int | None = None
+        self.flashinfer = paged_attend.FlashInferDecode()  # planned at the first decode step it runs
+        self._static: paged_attend.StaticDecode | None = None  # set by enable_static_decode
+
+    @classmethod
+    def for_scheduler(cls, spec: CacheSpec, options: Options) -> PagedCache:
+        """A serving pool (harness.serve.engine.build_cache): the block tables of a serving scheduler's KV manager
+        (harness.serve.kv_manager), which every forward's SeqBatch brings, are its only ones. It keeps no free list,
+        host tables or device table, and the paths that address positions by an int, which read those, refuse."""
+        return cls(spec, options, own_tables=False)
+
+    def _check_own_tables(self, what: str) -> None:
+        if self.tables is None:
+            raise Unsupported(
+                f"paged: {what} needs this cache's own block tables, and a serving pool keeps none (its scheduler's "
+                "are the only ones); allowed: a SeqBatch's positions, through the scheduler's tables"
+            )
 
     supports_static_decode: ClassVar[bool] = True  # decode steps at static shapes: enable_static_decode, below
 
@@ -166,25 +145,20 @@ class PagedCache(kv.KVCache):
         static inputs (`static_tensors`), fix the positions of the length mask or the kernel's split count for the
         longest context, and leave FlashInfer (host-side planning) for the Triton kernel or the masked gather."""
         spec = self.spec
+        self._check_own_tables("compile")
         if spec.kv_dtype == "int4":
             raise Unsupported("compile: int4 (KIVI) quantizes key groups as they complete, a data-dependent write")
         if spec.latent_v_dim:
             raise Unsupported("compile: MLA's latent cache decodes eagerly; allowed: compile=none")
-        self.attn_backend = decode_backend(spec, static=True)
-        self._positions = torch.arange(self.table.shape[1] * self.block_size, device=spec.device)  # [max_blocks*bs]
-        if self.attn_backend == "triton-paged":
-            from harness.kv import triton_paged
-
-            self._static_splits = triton_paged.split_count(
-                batch=spec.batch_size, n_kv_heads=spec.n_kv_heads, max_len=spec.max_tokens, device=spec.device
-            )
+        self.attn_backend = paged_attend.decode_backend(spec, static=True)
+        self._static = paged_attend.StaticDecode.for_cache(self)
         for tensor in self.static_tensors():
             torch._dynamo.mark_static_address(tensor)
 
     def static_tensors(self) -> list[torch.Tensor]:
         """What a static-shape decode step reads from this cache: both pools, their scales, the device block table,
         and the mask's positions. Each is a tensor of its own, none a view of another."""
-        positions = [self._positions] if self._positions is not None else []
+        positions = [self._static.positions] if self._static is not None else []
         return [*self.pools, *self.scales.values(), self.table, *positions]
 
     def _rows_per_block(self, tokens_per_row: int) -> int:
@@ -192,6 +166,7 @@ class PagedCache(kv.KVCache):
 
     def ensure_blocks(self, seq: int, n_tokens: int) -> bool:
         """Grow sequence `seq`'s table to cover n_tokens positions; returns whether it took a block."""
+        self._check_own_tables("ensure_blocks")
         blocks = self.tables[seq]
         need = blocks_for(n_tokens, self.block_size)
         grown = len(blocks) < need
@@ -206,44 +181,15 @@ class PagedCache(kv.KVCache):
 
     def prepare(self, start_pos: int | varlen.SeqBatch, n_new: int | None = None) -> None:
         if isinstance(start_pos, varlen.SeqBatch):
-            self._varlen = self._varlen_rows(start_pos)
+            self._varlen = paged_attend.varlen_rows(self, start_pos)
             return
+        self._check_own_tables("an int position")
         end = start_pos + n_new
         grown = [self.ensure_blocks(seq, end) for seq in range(self.spec.batch_size)]  # every sequence, no short cut
         if any(grown):  # one small host-to-device copy every block_size steps, not every step
             need = blocks_for(end, self.block_size)
             self._sync_table(need)
         self.n_tokens = end
-
-    def _varlen_rows(self, batch: varlen.SeqBatch) -> varlen.VarlenRows:
-        """Per-sequence lengths (harness.kv.varlen) through the block tables the batch brings (a serving engine's
-        scheduler owns them, as vLLM's does; this cache's own tables stay unused): position p of sequence i is in
-        block table_i[p // bs], slot p % bs. A block slid out of a window (None) is read as block 0, masked."""
-        if not isinstance(self.format, TokenFormat):
-            raise Unsupported(
-                f"per-sequence lengths: {self.spec.kv_dtype} groups tokens across positions; allowed: "
-                "plain, fp8 and int8 formats"
-            )
-        if len(batch.block_tables) != len(batch):
-            raise ValueError("paged cache: a SeqBatch must bring one block table per sequence")
-        bs = self.block_size
-        row_index, col_index = [], []
-        for table, start, end in zip(batch.block_tables, batch.start_pos, batch.ends, strict=True):
-            if len(table) < blocks_for(end, bs) or any(table[p // bs] is None for p in range(start, end)):
-                raise ValueError(
-                    f"paged cache: a block table of {len(table)} blocks cannot hold positions {start}..{end - 1}"
-                )
-            row_index += [table[p // bs] for p in range(start, end)]
-            col_index += [p % bs for p in range(start, end)]
-
-        def padded(seqs: list[int]) -> list[list[int]]:
-            width = max(blocks_for(batch.ends[i], bs) for i in seqs)
-            tables = [[0 if b is None else b for b in batch.block_tables[i][:width]] for i in seqs]
-            return [table + [0] * (width - len(table)) for table in tables]
-
-        indices = {"decode": padded(batch.decode_seqs)} if batch.decode_seqs else {"decode": []}
-        indices |= {i: padded([i]) for i in batch.prefill_seqs}
-        return varlen.VarlenRows(self, batch, row_index=row_index, col_index=col_index, indices=indices)
 
     def gather_index(self, index: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """index [b, nb] blocks -> (block, slot) of each sequence's first n positions, [b, n] each."""
@@ -266,16 +212,20 @@ class PagedCache(kv.KVCache):
         v: torch.Tensor,
         start_pos: int | torch.Tensor | varlen.SeqBatch,
     ) -> torch.Tensor:
-        if isinstance(start_pos, torch.Tensor):  # a decode step at static shapes: the position [1] on the device
-            return self._attend_static(layer, q, k, v, start_pos)
         if isinstance(start_pos, varlen.SeqBatch):  # sequences at their own positions, flattened
             kernel = self._varlen_decode if self.attn_backend == "triton-paged" else None
             return varlen.attend(self, layer, q, k, v, start_pos, self._varlen, decode_in_place=kernel)
+        if isinstance(start_pos, torch.Tensor):  # a decode step at static shapes: the position [1] on the device
+            assert self._static is not None, "static shapes: after enable_static_decode"
+            return self._static.attend(self, layer, q, k, v, start_pos)
+        self._check_own_tables("an int position")  # not in the compiled step: enable_static_decode checked
         in_place = self.attn_backend in ("flashinfer", "triton-paged")
         if q.shape[2] == 1 and in_place:  # a decode step: read the blocks in place
             self._write(layer, k, v, start_pos)
             n_tokens = start_pos + 1
-            return self._decode_in_place(layer, q, self._lengths(q.shape[0], n_tokens), max_len=n_tokens).unsqueeze(2)
+            return paged_attend.decode_in_place(
+                self, layer, q, self._lengths(q.shape[0], n_tokens), max_len=n_tokens
+            ).unsqueeze(2)
         k_seq, v_seq = self.store_and_read(layer, k, v, start_pos, dtype=q.dtype)
         return attention(q, k_seq, v_seq, start_pos, impl=self.spec.attn_impl, scale=self.spec.softmax_scale)
 
@@ -291,61 +241,8 @@ class PagedCache(kv.KVCache):
         """The decoding sequences of a SeqBatch through the Triton kernel: q [b, H, D] over each one's blocks (its
         padded table, its length on the device) -> [b, H, D]. FlashInfer plans on the host per batch shape, so a
         serving step, whose batch changes every iteration, takes the Triton kernel."""
-        from harness.kv import triton_paged
-
-        scales = {}
-        if self.scales:  # int8/fp8: [N, H_kv, bs, 1] per token -> [N, H_kv, bs]
-            scales = {
-                "k_scale": self.scales["k_scale"][layer][..., 0],
-                "v_scale": self.scales["v_scale"][layer][..., 0],
-            }
-        return triton_paged.paged_decode(q, self.k_pool[layer], self.v_pool[layer], rows.indices["decode"],
-                                         rows.decode_lens, block_size=self.block_size, max_len=rows.decode_keys,
-                                         **scales)  # fmt: skip
-
-    def _attend_static(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
-    ) -> torch.Tensor:
-        """One token at position pos [1] (a device tensor): the same shapes at every step, whatever the position."""
-        assert q.shape[2] == 1 and self._positions is not None, "static shapes: one token, after enable_static_decode"
-        self._write(layer, k, v, pos)
-        if self.attn_backend == "triton-paged":  # the kernel reads only the filled positions: their count on the device
-            lens = (pos + 1).to(torch.int32).expand(q.shape[0]).contiguous()  # [B]
-            out = self._decode_in_place(layer, q, lens, max_len=self.spec.max_tokens, n_splits=self._static_splits)
-            return out.unsqueeze(2)
-        # Every block the table can hold, in table order, under a length mask: [B, H_kv, max_blocks * bs, D].
-        k_all, v_all = self._gather(layer, self._positions.shape[0], q.dtype)
-        mask = (self._positions <= pos)[None, :]  # the filled part
-        return grouped_attention(q, k_all, v_all, mask=mask, impl=self.spec.attn_impl)
-
-    def _decode_in_place(
-        self, layer: int, q: torch.Tensor, lens: torch.Tensor, *, max_len: int, n_splits: int | None = None
-    ) -> torch.Tensor:
-        """q [B, H, 1, D] over the first lens[b] positions of each sequence, through the block table -> [B, H, D].
-        max_len: a host-side bound on lens (the kernel's splits are sized by it)."""
-        batch = q.shape[0]
-        k_pool, v_pool = self.rows["k"][layer], self.rows["v"][layer]  # [N, H_kv, bs, D] each
-        if self.attn_backend == "flashinfer":
-            self._plan_flashinfer(q, max_len)
-            return self._flashinfer.run(q[:, :, 0].contiguous(), (k_pool, v_pool))
-        from harness.kv import triton_paged
-
-        scales = {}
-        if self.scales:  # int8/fp8: [N, H_kv, bs, 1] per token -> [N, H_kv, bs]
-            scales = {
-                "k_scale": self.scales["k_scale"][layer][..., 0],
-                "v_scale": self.scales["v_scale"][layer][..., 0],
-            }
-        return triton_paged.paged_decode(
-            q[:, :, 0],
-            k_pool,
-            v_pool,
-            self.table[:batch],
-            lens,
-            block_size=self.block_size,
-            max_len=max_len,
-            n_splits=n_splits,
-            **scales,
+        return paged_attend.triton_decode(
+            self, layer, q, rows.indices["decode"], rows.decode_lens, max_len=rows.decode_keys
         )
 
     def _lengths(self, batch: int, n_tokens: int) -> torch.Tensor:
@@ -353,39 +250,6 @@ class PagedCache(kv.KVCache):
         if self._lens is None or self._lens[0] != (batch, n_tokens):
             self._lens = (batch, n_tokens), torch.full((batch,), n_tokens, dtype=torch.int32, device=self.spec.device)
         return self._lens[1]
-
-    def _plan_flashinfer(self, q: torch.Tensor, n_tokens: int) -> None:
-        """FlashInfer plans a decode once per step (its split-K schedule) for the whole batch's page lists (HND
-        layout: a page is [H_kv, page_size, D], which is this pool's block). The page lists go in as host tensors,
-        built from the host tables, as vLLM's FlashInfer backend passes them: plan() reads indptr on the host to
-        schedule, and copies the rest to its own device buffers without blocking, while device tensors would be
-        copied back to the host first, a sync per step."""
-        import flashinfer
-
-        batch, n_heads, _, head_dim = q.shape
-        assert q.dtype == self.k_pool.dtype, (
-            f"flashinfer decodes {self.k_pool.dtype} pages with equal queries, not {q.dtype}"
-        )
-        if self._flashinfer is None:
-            workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
-            self._flashinfer = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                workspace, kv_layout="HND", use_tensor_cores=n_heads // self.spec.n_kv_heads >= 4
-            )
-        if self._flashinfer_plan == (batch, n_tokens):
-            return
-        indptr, indices, last_page_len = flashinfer_page_lists(self.tables[:batch], n_tokens, self.block_size)
-        self._flashinfer.plan(
-            host.pinned(indptr),
-            host.pinned(indices),
-            host.pinned(last_page_len),
-            n_heads,
-            self.spec.n_kv_heads,
-            head_dim,
-            self.block_size,
-            q_data_type=q.dtype,
-            kv_data_type=self.k_pool.dtype,
-        )
-        self._flashinfer_plan = (batch, n_tokens)
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> None:
         """Store k, v [B, H_kv, T, D] at positions start_pos..start_pos+T-1, through the block table."""
@@ -438,12 +302,14 @@ class PagedCache(kv.KVCache):
 
     def release(self) -> None:
         """The batch completed: every block goes back to the pool."""
+        self._check_own_tables("release")
         for blocks in self.tables:
             self.free_blocks.extend(reversed(blocks))
             blocks.clear()
         self.n_tokens = 0
 
     def blocks_in_use(self) -> int:
+        self._check_own_tables("blocks_in_use")
         return sum(len(blocks) for blocks in self.tables)
 
     def data_tensors(self) -> list[torch.Tensor]:
@@ -456,18 +322,6 @@ class PagedCache(kv.KVCache):
         # int4's full-precision tail (format.tensors()): per sequence, outside the pool, at most kv_residual +
         # kv_group_size - 1 tokens
         return self.format.tensors()
-
-
-def flashinfer_page_lists(
-    tables: list[list[int]], n_tokens: int, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashInfer's CSR page lists for sequences of n_tokens each, on the host: indptr [B + 1], indices
-    [B * n_pages] (each sequence's first n_pages blocks, in table order), last_page_len [B], all int32."""
-    n_pages = blocks_for(n_tokens, block_size)
-    indptr = torch.arange(len(tables) + 1, dtype=torch.int32) * n_pages
-    indices = torch.tensor([block for blocks in tables for block in blocks[:n_pages]], dtype=torch.int32)
-    last_page_len = torch.full((len(tables),), n_tokens - (n_pages - 1) * block_size, dtype=torch.int32)
-    return indptr, indices, last_page_len
 
 
 class PagedLayout(Layout):

@@ -1,7 +1,7 @@
 """Serving: the KV cache as the resource a serving engine schedules (issue #16).
 
 A request stream (requests.py), the KV budget and the planner's concurrency (capacity.py), block accounting per
-strategy (kv_manager.py), the scheduler (scheduler.py), the engine that runs its iterations on the real model
-(engine.py), what a run reports (metrics.py) and writes (rows.py), a qps sweep's knees and fleet (fleet.py), and
-transformers' engine as the peer (peer.py). The entry point is experiments/serve.py.
+strategy (kv_manager.py, over block_pool.py), the scheduler (scheduler.py), the engine that runs its iterations on
+the real model (engine.py), what a run reports (metrics.py) and writes (rows.py), a qps sweep's knees and fleet
+(fleet.py), and transformers' engine as the peer (peer.py). The entry point is experiments/serve.py.
 """

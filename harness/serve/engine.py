@@ -30,6 +30,7 @@ import torch
 
 from harness import kv
 from harness.errors import ConfigError
+from harness.kv import paged
 from harness.kv.base import CacheSpec
 from harness.kv.varlen import SeqBatch, to_device
 from harness.serve.kv_manager import serving
@@ -78,10 +79,12 @@ def build_cache(
         spec = CacheSpec.for_model(args, batch_size=num_slots, max_tokens=max_model_len, kv_dtype=kv_dtype,
                                    device=device, dtype=dtype)  # fmt: skip
         return kv.build(storage, spec, {}), num_slots
-    # One pool for every blocks strategy: sharing and what a window frees are the scheduler's tables.
+    # One pool for every blocks strategy (its storage, a harness.kv.paged pool): sharing and what a window frees are
+    # the scheduler's block tables, the only ones, which each forward's SeqBatch brings (for_scheduler).
     spec = CacheSpec.for_model(args, batch_size=1, max_tokens=block_size, kv_dtype=kv_dtype, device=device,
                                dtype=dtype)  # fmt: skip
-    return kv.build(storage, spec, {"block_size": block_size, "pool_tokens": num_blocks * block_size}), None
+    options = kv.parse_options(storage, {"block_size": block_size, "pool_tokens": num_blocks * block_size})
+    return paged.PagedCache.for_scheduler(spec, options), None
 
 
 class Engine:
@@ -159,7 +162,7 @@ class Engine:
             slots=tuple(self._slot(entry.request_id) for entry in entries),
             start_pos=tuple(entry.num_computed_tokens for entry in entries),
             n_new=tuple(entry.num_new_tokens for entry in entries),
-            block_tables=tuple(entry.block_ids for entry in entries) if self.paged else (),
+            block_tables=tuple(entry.blocks.get_block_ids() for entry in entries) if self.paged else (),
             window=self.window,
         )
         tokens = to_device([ids], self.device)[0][None]  # [1, N], pinned and non-blocking on CUDA

@@ -5,27 +5,28 @@ fp8 or int8 KV gives about twice the blocks of bf16 at one budget; the dtype is 
 the manager for a request's block table, and writes K/V there.
 
 After vLLM v1 (vllm/v1/core/block_pool.py, kv_cache_manager.py, single_type_kv_cache_manager.py):
-- `BlockPool`: a free queue in LRU order (blocks freed go to its tail, new blocks come from its head), a ref count
-  per block, and a map from block hash to cached block. A cached block whose ref count falls to 0 stays cached *and*
-  free: it is reused on a hit, and evicted (its hash dropped) only when the head of the free queue hands it out.
+- `BlockPool` (harness.serve.block_pool): a free queue in LRU order (blocks freed go to its tail, new blocks come
+  from its head), a ref count per block, and a map from block hash to cached block. A cached block whose ref count
+  falls to 0 stays cached *and* free: it is reused on a hit, and evicted (its hash dropped) only when the head of
+  the free queue hands it out.
 - `PagedKVManager`: block tables grown as tokens arrive (`paged`), optionally with prefix caching (`prefix`, vLLM's
   enable_caching) or a sliding window (`sliding`, vLLM's SlidingWindowManager.remove_skipped_blocks).
 - `ContiguousKVManager`: the pre-vLLM baseline (Orca, FasterTransformer): a slot of max_model_len tokens reserved
   per running request up front (Kwon et al. 2023, section 2.3: the reservation is the waste paging removes).
 
-Every manager answers the same calls, the `KVManager` protocol the scheduler is typed against. `num_tokens` is
-always the tokens a request holds K/V for once this iteration's tokens are computed (its computed tokens plus the
-new ones).
+Every manager answers the same calls, the `KVManager` protocol the scheduler is typed against, and hands a
+request's blocks across as a `KVCacheBlocks` value (vLLM v1's), never its own tables. `num_tokens` is always the
+tokens a request holds K/V for once this iteration's tokens are computed (its computed tokens plus the new ones).
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from harness.errors import ConfigError, KVPoolExhausted
+from harness.serve.block_pool import BlockPool
 from harness.serve.requests import Request
 
 if TYPE_CHECKING:  # harness.kv imports torch; this module does not (see serving)
@@ -59,9 +60,37 @@ class KVUsage:
     tokens_allocated: int  # blocks_used * block_size (contiguous: slots used * max_model_len)
 
 
+@dataclass(frozen=True)
+class KVCacheBlocks:
+    """A request's blocks as the manager hands them to the scheduler (vLLM v1's KVCacheBlocks): its block table, a
+    copy, and how many of its last blocks the allocation that returned it took new. A slot (contiguous) has none."""
+
+    table: tuple[int | None, ...] = ()  # physical block per logical block, in order; None: freed by a window
+    num_new: int = 0  # the last num_new blocks of `table` were taken by this allocation (0: a plain look-up)
+
+    def get_block_ids(self) -> tuple[int | None, ...]:
+        """The table a SeqBatch carries to the cache (harness.kv.varlen): None where a window freed the block."""
+        return self.table
+
+    @property
+    def first_new(self) -> int:
+        """The logical index of the first block taken new."""
+        return len(self.table) - self.num_new
+
+    @property
+    def new_block_ids(self) -> tuple[int, ...]:
+        """The blocks this allocation took new, in table order (vLLM's allocate_slots return); cached hits are not."""
+        return tuple(block for block in self.table[self.first_new :] if block is not None)  # none is None
+
+    def held(self, start: int = 0, stop: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(logical indices, blocks) of the blocks held among logical blocks [start, stop), in table order."""
+        pairs = [(i, block) for i, block in enumerate(self.table[:stop]) if i >= start and block is not None]
+        return tuple(i for i, _ in pairs), tuple(block for _, block in pairs)
+
+
 class KVManager(Protocol):
     """What the scheduler asks of a pool's bookkeeping (vLLM v1's KVCacheManager: get_computed_blocks,
-    allocate_slots, free, get_block_ids, usage), whatever the strategy: blocks taken as a request grows
+    allocate_slots, free, get_blocks, usage), whatever the strategy: blocks taken as a request grows
     (PagedKVManager) or a slot reserved whole (ContiguousKVManager)."""
 
     num_blocks: int
@@ -78,14 +107,14 @@ class KVManager(Protocol):
         self, request: Request, num_tokens: int, *, num_computed_tokens: int = 0, watermark_blocks: int = 0
     ) -> bool: ...
 
-    def allocate(self, request: Request, num_tokens: int, *, num_computed_tokens: int = 0) -> list[int]:
-        """Grow the request to num_tokens tokens; returns the blocks taken new, in table order."""
+    def allocate(self, request: Request, num_tokens: int, *, num_computed_tokens: int = 0) -> KVCacheBlocks:
+        """Grow the request to num_tokens tokens; returns its blocks, those taken new counted (num_new)."""
         ...
 
     def free(self, request_id: int) -> None: ...
 
-    def block_table(self, request_id: int) -> list[int | None]:
-        """The request's physical block per logical block (None: freed by a window; [] for a slot)."""
+    def get_blocks(self, request_id: int) -> KVCacheBlocks:
+        """The request's blocks (none for a slot, or a request holding none), num_new 0."""
         ...
 
     def peak_blocks(self, num_tokens: int, *, max_chunk_tokens: int) -> int: ...
@@ -95,57 +124,6 @@ class KVManager(Protocol):
     def prefix_hit_tokens(self, request_id: int) -> int: ...
 
     def usage(self) -> KVUsage: ...
-
-
-class BlockPool:
-    """num_blocks blocks of block_size tokens: a free queue (LRU order), ref counts and the prefix-cache map."""
-
-    def __init__(self, *, num_blocks: int, block_size: int) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.ref_counts = [0] * num_blocks
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = evicted first
-        self.block_hash: dict[int, object] = {}  # block id -> its hash, for cached blocks only
-        self.cached: dict[object, int] = {}  # hash -> block id (vLLM's cached_block_hash_to_block)
-        self.num_evictions = 0
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_queue)
-
-    def get_new_blocks(self, count: int) -> list[int]:
-        """count blocks off the free queue's head, ref count 1; a cached block taken this way is evicted."""
-        if count > len(self.free_queue):
-            raise KVPoolExhausted(f"KV pool: {count} blocks asked, {len(self.free_queue)} free")
-        blocks = []
-        for _ in range(count):
-            block, _ = self.free_queue.popitem(last=False)
-            if block in self.block_hash:  # vLLM's _maybe_evict_cached_block
-                del self.cached[self.block_hash.pop(block)]
-                self.num_evictions += 1
-            self.ref_counts[block] = 1
-            blocks.append(block)
-        return blocks
-
-    def touch(self, blocks: list[int]) -> None:
-        """One more holder for each (cached) block; a free one leaves the free queue."""
-        for block in blocks:
-            if self.ref_counts[block] == 0:
-                del self.free_queue[block]
-            self.ref_counts[block] += 1
-
-    def free_blocks(self, blocks: list[int]) -> None:
-        """One holder fewer for each; at 0 a block goes to the free queue's tail (kept cached if it was).
-        The caller passes a table tail first, as vLLM does, so that a prefix's last blocks are evicted first."""
-        for block in blocks:
-            self.ref_counts[block] -= 1
-            assert self.ref_counts[block] >= 0, f"block {block} freed more often than taken"
-            if self.ref_counts[block] == 0:
-                self.free_queue[block] = None
-
-    def cache_block(self, block: int, block_hash: object) -> None:
-        if block_hash not in self.cached and block not in self.block_hash:
-            self.cached[block_hash] = block
-            self.block_hash[block] = block_hash
 
 
 class PagedKVManager:
@@ -233,9 +211,9 @@ class PagedKVManager:
         revived = sum(1 for block in hits if self.pool.ref_counts[block] == 0)  # leave the free queue on a hit
         return new_blocks + revived <= self.num_free_blocks + slid_off - watermark_blocks
 
-    def allocate(self, request: Request, num_tokens: int, *, num_computed_tokens: int = 0) -> list[int]:
+    def allocate(self, request: Request, num_tokens: int, *, num_computed_tokens: int = 0) -> KVCacheBlocks:
         """Grow the request's table to hold num_tokens tokens (can_allocate first: KVPoolExhausted otherwise).
-        Returns the blocks taken new (vLLM v1's allocate_slots), in table order; cached hits are not among them."""
+        Returns its blocks, the ones taken new (vLLM v1's allocate_slots) last; cached hits are not among those."""
         if not self.can_allocate(request, num_tokens, num_computed_tokens=num_computed_tokens):
             raise KVPoolExhausted(f"request {request.request_id}: no blocks for {num_tokens} tokens")
         hits, new_blocks, _ = self._plan(request, num_tokens, num_computed_tokens)
@@ -255,7 +233,7 @@ class PagedKVManager:
         self.num_tokens[rid] = max(num_tokens, self.num_tokens[rid])
         for index in range(self._prefix_blocks(request, num_tokens)):  # scheduled prefix blocks become hits
             self.pool.cache_block(table[index], ("prefix", index))
-        return taken
+        return KVCacheBlocks(tuple(table), num_new=len(taken))
 
     def free(self, request_id: int) -> None:
         """Return a request's blocks (finished or preempted), its last block first (vLLM's free order)."""
@@ -263,9 +241,9 @@ class PagedKVManager:
         self.num_tokens.pop(request_id, None)
         self.pool.free_blocks([block for block in reversed(table) if block is not None])
 
-    def block_table(self, request_id: int) -> list[int | None]:
+    def get_blocks(self, request_id: int) -> KVCacheBlocks:
         """The request's physical block per logical block (None: slid out of the window)."""
-        return list(self.tables.get(request_id, []))
+        return KVCacheBlocks(tuple(self.tables.get(request_id, ())))
 
     def peak_blocks(self, num_tokens: int, *, max_chunk_tokens: int) -> int:
         """The most blocks a request of num_tokens tokens ever holds, computing at most max_chunk_tokens at once."""
@@ -329,18 +307,18 @@ class ContiguousKVManager:
             return False
         return request.request_id in self.num_tokens or len(self.num_tokens) < self.num_slots
 
-    def allocate(self, request: Request, num_tokens: int, *, num_computed_tokens: int = 0) -> list[int]:
+    def allocate(self, request: Request, num_tokens: int, *, num_computed_tokens: int = 0) -> KVCacheBlocks:
         """A slot, taken whole at admission: no blocks (the engine addresses slots by index)."""
         if not self.can_allocate(request, num_tokens):
             raise KVPoolExhausted(f"request {request.request_id}: no free slot of {self.max_model_len} tokens")
         self.num_tokens[request.request_id] = max(num_tokens, self.num_tokens.get(request.request_id, 0))
-        return []
+        return KVCacheBlocks()
 
     def free(self, request_id: int) -> None:
         self.num_tokens.pop(request_id, None)
 
-    def block_table(self, request_id: int) -> list[int | None]:
-        return []  # a slot is addressed by its index in the engine, not by blocks
+    def get_blocks(self, request_id: int) -> KVCacheBlocks:
+        return KVCacheBlocks()  # a slot is addressed by its index in the engine, not by blocks
 
     def peak_blocks(self, num_tokens: int, *, max_chunk_tokens: int) -> int:
         return blocks_for(self.max_model_len, self.block_size)  # the whole slot, whatever the request's length

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from harness.errors import ConfigError
-from harness.serve.kv_manager import KVManager, KVUsage, blocks_for
+from harness.serve.kv_manager import KVCacheBlocks, KVManager, KVUsage, blocks_for
 from harness.serve.metrics import RequestRecord
 from harness.serve.requests import Request
 
@@ -103,7 +103,7 @@ class ScheduledRequest:
     num_new_tokens: int
     is_prefill: bool  # False: a decode step (one token after the request's first output)
     samples_token: bool  # this chunk reaches the request's last token, so its logits give the next token
-    block_ids: tuple[int | None, ...]  # the block table after allocation (empty for contiguous: one slot)
+    blocks: KVCacheBlocks  # the request's blocks after allocation (none for contiguous: one slot)
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ class Scheduler:
         """vLLM's _preempt_request: blocks freed, to the front of the waiting queue. Swap: returns the blocks the
         engine copies to the host (every one it held: a shared prefix block may be evicted before it returns)."""
         rid = state.request.request_id
-        held = [(index, block) for index, block in enumerate(self.kv.block_table(rid)) if block is not None]
+        logical, blocks = self.kv.get_blocks(rid).held()
         self.kv.free(rid)
         state.num_preemptions += 1
         self.waiting.appendleft(state)
@@ -206,15 +206,14 @@ class Scheduler:
             state.num_computed_tokens = 0
             return None
         state.swapped = True
-        return SwapBlocks(rid, tuple(index for index, _ in held), tuple(block for _, block in held))
+        return SwapBlocks(rid, logical, blocks)
 
-    def _swap_in(self, state: RequestState, new_blocks: list[int]) -> SwapBlocks:
+    def _swap_in(self, state: RequestState, allocated: KVCacheBlocks) -> SwapBlocks:
         """The blocks of a readmitted request to fill from the host: those of its table that this readmission took
         new and that hold tokens it had computed (the rest are for the tokens it computes next)."""
-        rid, taken = state.request.request_id, set(new_blocks)
         held = blocks_for(state.num_computed_tokens, self.kv.block_size)
-        restore = [(i, block) for i, block in enumerate(self.kv.block_table(rid)[:held]) if block in taken]
-        return SwapBlocks(rid, tuple(index for index, _ in restore), tuple(block for _, block in restore))
+        logical, blocks = allocated.held(start=allocated.first_new, stop=held)
+        return SwapBlocks(state.request.request_id, logical, blocks)
 
     def schedule(self, now_s: float) -> SchedulerOutput:
         token_budget = self.config.max_num_batched_tokens
@@ -260,12 +259,12 @@ class Scheduler:
                                         watermark_blocks=self.watermark_blocks)  # fmt: skip
             if not fits:
                 break  # head of line: nobody behind it is admitted either
-            new_blocks = self.kv.allocate(state.request, num_computed + num_new, num_computed_tokens=num_computed)
+            allocated = self.kv.allocate(state.request, num_computed + num_new, num_computed_tokens=num_computed)
             self.waiting.popleft()
             self.running.append(state)
             state.num_computed_tokens = num_computed
             if state.swapped:
-                swap_in.append(self._swap_in(state, new_blocks))
+                swap_in.append(self._swap_in(state, allocated))
                 state.swapped = False
             if state.first_scheduled_s is None:
                 state.first_scheduled_s = now_s
@@ -291,7 +290,7 @@ class Scheduler:
             num_new_tokens=num_new,
             is_prefill=not (num_new == 1 and reaches_end and state.num_output_tokens > 0),
             samples_token=reaches_end,
-            block_ids=tuple(self.kv.block_table(state.request.request_id)),
+            blocks=self.kv.get_blocks(state.request.request_id),
         )
 
     def update(self, output: SchedulerOutput, now_s: float) -> list[RequestRecord]:
