@@ -5,10 +5,13 @@
     python -m experiments.serve -m experiment=serve-qps          # qps x strategy: the saturation sweep and its knee
     python -m experiments.serve trace=my_trace.jsonl               # arrival_s, prompt_len, output_len per line
 
-Everything is checked before the model is built (the stream, the budget against the longest request, the knobs,
-the SLOs), so bad input costs one line and writes nothing. The run's rows go to <results_dir>/serve/<run_id>/ as
-it runs (harness.serve.rows): a run killed midway keeps its finished requests; run.parquet, written last, holds the
-run row: vLLM benchmark_serving's metrics beside the planner's predicted concurrency for the same pool.
+This file is the Hydra app: the schema registered, the run named, the summary printed. The config is
+harness.serve.config.ServeConfig, and the run is harness.serve.run's plan() and run(). Everything is checked before
+the model is built (the knobs and the SLOs when the config is made; the stream, the budget against the longest
+request in plan()), so bad input costs one line and writes nothing. The run's rows go to
+<results_dir>/serve/<run_id>/ as it runs (harness.serve.rows): a run killed midway keeps its finished requests;
+run.parquet, written last, holds the run row: vLLM benchmark_serving's metrics beside the planner's predicted
+concurrency for the same pool.
 """
 
 from __future__ import annotations

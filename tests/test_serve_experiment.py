@@ -19,6 +19,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import experiments.serve  # noqa: F401  (registers serve_config in Hydra's ConfigStore)
+from harness.config import Workload
 from harness.errors import ConfigError
 from harness.serve import capacity
 from harness.serve import run as app
@@ -57,6 +58,26 @@ def cli(tmp_path: Path, *overrides: str, **kwargs) -> subprocess.CompletedProces
 def test_bad_input_is_one_config_error_naming_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
         app.plan(config(*TINY, "kv_memory_gb=0.01", *overrides))
+
+
+def test_a_serve_config_is_a_workload_whose_cache_and_gen_len_are_the_serving_knobs():
+    cfg = config(*TINY, "kv_memory_gb=0.01", "strategy=prefix", "block_size=32", "output_len=8")
+    assert isinstance(cfg, Workload)
+    assert cfg.cache == {"name": "prefix", "block_size": 32} and cfg.gen_len == 8
+    assert config(*TINY, "kv_memory_gb=0.01", "strategy=contiguous").cache == {"name": "contiguous"}
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("attn_impl=eager", "^attn_impl: a serving run does not take it; allowed: sdpa$"),
+        ("batch_size=4", "^batch_size: a serving run does not take it; allowed: 1$"),
+        ("gen_len=8", "^gen_len: set from output_len in a serving run; allowed: leave it unset$"),
+    ],
+)
+def test_a_workload_field_serving_does_not_take_is_refused_not_ignored(override, message):
+    with pytest.raises(ConfigError, match=message):
+        config(*TINY, "kv_memory_gb=0.01", override)
 
 
 def test_a_malformed_trace_names_its_line(tmp_path):

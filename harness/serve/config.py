@@ -7,14 +7,21 @@ experiments/decode.py registers RunConfig); the checks that need no heavy work r
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from harness.config import DTYPES, Workload, check_choice, device_type
+from harness.errors import ConfigError
 from harness.serve.engine import SERVE_KV_DTYPES
 from harness.serve.kv_manager import check_window, serving
 from harness.serve.metrics import parse_slo_ms
 from harness.serve.scheduler import SchedulerConfig
+
+# Workload fields a serving run does not take: the stream sets the batch, the engine runs SDPA on a float or
+# per-token-scaled pool (no int4 groups, no MLA). Each must stay at its default, so that none is silently ignored.
+NOT_SERVED = ("batch_size", "kv_group_size", "kv_residual", "attn_impl", "mla_path")
+DERIVED = {"cache": "strategy and block_size", "gen_len": "output_len"}  # set from these at construction
 
 
 @dataclass
@@ -76,8 +83,16 @@ class ServeConfig(Workload):
         # The planner models a window as a ring per request, not as paged blocks: a windowed strategy's cache is its
         # name alone (harness.serve.run.plan predicts no concurrency for it).
         blocks = {"block_size": self.block_size} if served.paged and not served.windowed else {}
-        self.cache = {"name": self.strategy, **blocks}
-        self.gen_len = self.output_len
+        derived = {"cache": {"name": self.strategy, **blocks}, "gen_len": self.output_len}
+        defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                    for f in dataclasses.fields(Workload)}  # fmt: skip
+        for name, value in derived.items():  # a value set by hand: refused, not overwritten unseen
+            if getattr(self, name) not in (defaults[name], value):
+                raise ConfigError(f"{name}: set from {DERIVED[name]} in a serving run; allowed: leave it unset")
+            setattr(self, name, value)
+        for name in NOT_SERVED:
+            if getattr(self, name) != defaults[name]:
+                raise ConfigError(f"{name}: a serving run does not take it; allowed: {defaults[name]}")
         super().__post_init__()
 
     def validate(self) -> None:
