@@ -67,6 +67,12 @@ def test_a_serve_config_is_a_workload_whose_cache_and_gen_len_are_the_serving_kn
     assert config(*TINY, "kv_memory_gb=0.01", "strategy=contiguous").cache == {"name": "contiguous"}
 
 
+def test_the_recorded_config_has_the_keys_of_the_committed_reference_runs():
+    reference = next((ROOT / "results" / "reference" / "serve").glob("*-paged-fp32-qps8"))
+    recorded = json.loads(load_run(reference)[2]["config_json"])
+    assert set(config(*TINY, "kv_memory_gb=0.01").config_dict()) == set(recorded)  # diffs compare like with like
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from harness.config import DTYPES, Workload, check_choice, device_type
 from harness.errors import ConfigError
@@ -104,6 +105,13 @@ class ServeConfig(Workload):
         device_type(self.device)
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             parse_slo_ms(getattr(self, name), name)
+
+    def config_dict(self) -> dict[str, Any]:
+        """The config a run records (its manifest and config_json): the fields a user sets. Those derived or not
+        taken (always their defaults) are left out, so every run's config_json has the same keys, earlier ones too."""
+        out = {name: value for name, value in asdict(self).items() if name not in (*DERIVED, *NOT_SERVED)}
+        out["model"] = asdict(self.model) if not isinstance(self.model, dict) else self.model
+        return out
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(

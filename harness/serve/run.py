@@ -6,9 +6,8 @@ and writes the rows (harness.serve.rows). The Hydra app around them is experimen
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -122,7 +121,7 @@ def run(p: Plan, *, run_dir: Path, sweep_id: str) -> dict:
     a run killed while building or warming up still leaves its folder, which the Serving page lists as unfinished;
     an exception marks it failed, and close() finished."""
     with ServeRunWriter(run_dir) as writer:
-        writer.start(config=config_dict(p.cfg))
+        writer.start(config=p.cfg.config_dict())
         return _serve_into(p, writer=writer, sweep_id=sweep_id)
 
 
@@ -183,7 +182,7 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
         "mean_step_ms": sum(steps_ms) / len(steps_ms),
         "mean_scheduler_ms": sum(scheduler_ms) / len(scheduler_ms),
     }
-    writer.close(row, config=config_dict(cfg))
+    writer.close(row, config=cfg.config_dict())
     return row
 
 
@@ -197,9 +196,3 @@ def warm_up(model, cache, *, block_size: int, paged: bool) -> None:
     with torch.inference_mode():
         model(torch.zeros((1, n), dtype=torch.long, device=next(model.parameters()).device), batch, cache,
               last_only=True)  # fmt: skip
-
-
-def config_dict(cfg: ServeConfig) -> dict[str, Any]:
-    out = asdict(cfg)
-    out["model"] = asdict(cfg.model) if not isinstance(cfg.model, dict) else cfg.model
-    return out
