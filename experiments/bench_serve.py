@@ -39,6 +39,7 @@ from harness.serve.kv_manager import make_kv_manager
 from harness.serve.metrics import request_row, run_metrics
 from harness.serve.requests import RequestSpec, generate, prompt_token_ids
 from harness.serve.rows import ServeRunWriter, serve_run_dir
+from harness.serve.run import warm_up
 from harness.serve.scheduler import Scheduler, SchedulerConfig
 
 ROW_METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
@@ -94,8 +95,6 @@ def run_ours(a, args, ckpt: Path, requests, prompts, max_model_len: int):
     config = SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                              max_model_len=max_model_len)  # fmt: skip
     engine = Engine(model, cache)
-    from experiments.serve import warm_up
-
     warm_up(model, cache, block_size=a.block_size, paged=True)
     full = []  # (step_s, scheduler_s) of the iterations that ran max_num_seqs requests
 

@@ -36,6 +36,7 @@ from harness import bandwidth
 from harness.ceiling_timing import median_seconds, one_call_seconds
 from harness.config import device_type
 from harness.environment import device_name  # the CUDA device's or the CPU's name
+from harness.kv.quant import FP8, PLAIN
 from harness.spec import SPEC_PEAKS_CSV, spec_for, spec_peaks  # noqa: F401 (part of this module's API)
 from harness.store.atomic import atomic_write
 
@@ -46,12 +47,9 @@ log = logging.getLogger(__name__)
 # 2: warm-up by time (Plan.warmup_s), not by a fixed count of calls. 3: a streaming-read roof beside the copy, each
 # measured again while its spread is wide; the spread is harness.stats' bootstrap.
 METHOD_VERSION = 3
-MATMUL_DTYPES = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp8_e4m3": torch.float8_e4m3fn,  # torch._scaled_mm: CUDA compute capability >= 8.9 (Ada, Hopper and newer)
-}
+# The matmuls timed, in this order, by name -> torch dtype, from the one table (harness.kv.quant's PLAIN and FP8).
+# fp8_e4m3: torch._scaled_mm, CUDA compute capability >= 8.9 (Ada, Hopper and newer).
+MATMUL_DTYPES = {name: PLAIN[name] for name in ("fp32", "bf16", "fp16")} | {"fp8_e4m3": FP8["fp8_e4m3"]}
 FP8_MIN_CAPABILITY = (8, 9)  # the first with FP8 tensor cores: Ada (sm_89), per the CUDA C Programming Guide
 CPU_MATMUL_N_MIN = 256  # the CPU size search starts here and doubles
 

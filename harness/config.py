@@ -6,8 +6,9 @@ input fails in a second with one line naming the field and what it allows, and n
 
 `Workload` is what runs: the model, the formats, the strategy and its options, the batch and the lengths. The
 capacity planner (harness.plan) takes one; `RunConfig` is one, plus how it is measured; experiments/capacity.py's
-config is one, plus how the planner is asked. A field that is not part of what a point measures says so in its
-metadata (POINT_ID), so point_id needs no list of exclusions.
+config is one, plus how the planner is asked; harness.serve.config's ServeConfig is one, plus the KV pool, the
+scheduler, the request stream and the SLOs of a serving run. A field that is not part of what a point measures says
+so in its metadata (POINT_ID), so point_id needs no list of exclusions.
 """
 
 import dataclasses

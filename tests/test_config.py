@@ -41,10 +41,11 @@ def test_dtype_auto_resolves_to_bf16_on_cuda_and_fp32_on_the_cpu_and_any_other_n
 def test_the_compute_dtype_table_is_one_table_that_serving_and_the_kv_formats_share():
     import experiments.bench_serve
     import experiments.serve
+    import harness.serve.run
     from harness.kv import quant
 
     assert DTYPES is quant.PLAIN
-    for module in (experiments.serve, experiments.bench_serve):  # imported from here, or not there at all
+    for module in (experiments.serve, harness.serve.run, experiments.bench_serve):  # imported from here, or not there at all
         assert getattr(module, "DTYPES", DTYPES) is DTYPES
 
 

@@ -18,17 +18,21 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from experiments import serve as app
+import experiments.serve  # noqa: F401  (registers serve_config in Hydra's ConfigStore)
+from harness.config import Workload
 from harness.errors import ConfigError
 from harness.serve import capacity
+from harness.serve import run as app
+from harness.serve.config import ServeConfig
 from harness.serve.rows import FAILED, FINISHED, RUNNING, load_run, read_manifest, serve_run_dir
 from harness.serve.scheduler import SchedulerConfig
+from harness.serve.summary import goodput_terms
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny", "max_model_len=256", "block_size=16", "dtype=fp32"]
 
 
-def config(*overrides: str) -> app.ServeConfig:
+def config(*overrides: str) -> ServeConfig:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         return OmegaConf.to_object(compose(config_name="serve", overrides=list(overrides)))
 
@@ -54,6 +58,32 @@ def cli(tmp_path: Path, *overrides: str, **kwargs) -> subprocess.CompletedProces
 def test_bad_input_is_one_config_error_naming_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
         app.plan(config(*TINY, "kv_memory_gb=0.01", *overrides))
+
+
+def test_a_serve_config_is_a_workload_whose_cache_and_gen_len_are_the_serving_knobs():
+    cfg = config(*TINY, "kv_memory_gb=0.01", "strategy=prefix", "block_size=32", "output_len=8")
+    assert isinstance(cfg, Workload)
+    assert cfg.cache == {"name": "prefix", "block_size": 32} and cfg.gen_len == 8
+    assert config(*TINY, "kv_memory_gb=0.01", "strategy=contiguous").cache == {"name": "contiguous"}
+
+
+def test_the_recorded_config_has_the_keys_of_the_committed_reference_runs():
+    reference = next((ROOT / "results" / "reference" / "serve").glob("*-paged-fp32-qps8"))
+    recorded = json.loads(load_run(reference)[2]["config_json"])
+    assert set(config(*TINY, "kv_memory_gb=0.01").config_dict()) == set(recorded)  # diffs compare like with like
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("attn_impl=eager", "^attn_impl: a serving run does not take it; allowed: sdpa$"),
+        ("batch_size=4", "^batch_size: a serving run does not take it; allowed: 1$"),
+        ("gen_len=8", "^gen_len: set from output_len in a serving run; allowed: leave it unset$"),
+    ],
+)
+def test_a_workload_field_serving_does_not_take_is_refused_not_ignored(override, message):
+    with pytest.raises(ConfigError, match=message):
+        config(*TINY, "kv_memory_gb=0.01", override)
 
 
 def test_a_malformed_trace_names_its_line(tmp_path):
@@ -146,7 +176,7 @@ def test_a_budget_past_the_machine_is_refused_in_one_line_before_anything_is_all
 def test_the_summary_prints_the_slos_that_define_the_goodput_beside_it(slos, printed):
     row = {"ttft_slo_ms": None, "tpot_slo_ms": None, "e2el_slo_ms": None, "request_goodput": 2 / 40.0,
            "duration_s": 40.0, "completed": 32} | slos  # fmt: skip
-    assert app.goodput_terms(row) == printed
+    assert goodput_terms(row) == printed
 
 
 def test_a_run_writes_its_requests_iterations_and_run_row(tmp_path):
@@ -228,7 +258,7 @@ def test_conf_serve_states_the_pool_block_and_the_scheduler_caps_at_the_schedule
     cfg = config()
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (SchedulerConfig.max_num_seqs,
                                                               SchedulerConfig.max_num_batched_tokens)  # fmt: skip
-    assert cfg.block_size == app.ServeConfig.block_size == 16
+    assert cfg.block_size == ServeConfig.block_size == 16
     assert config("experiment=serve-quick").max_num_batched_tokens == 256  # a preset's delta still wins
 
 

@@ -20,7 +20,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from experiments import serve as serve_app
+import experiments.serve  # noqa: F401  (registers serve_config in Hydra's ConfigStore)
 from harness import kv
 from harness.config import RunConfig, Workload
 from harness.decode import generate
@@ -36,6 +36,8 @@ from harness.roofline import decode_step_cost, kv_bytes_per_token_read
 from harness.roofline_row import roofline_columns
 from harness.run import sweep
 from harness.run.bench import config_columns
+from harness.serve import run as serve_run
+from harness.serve.config import ServeConfig
 from harness.serve.engine import Engine, build_cache, serve
 from harness.serve.kv_manager import make_kv_manager
 from harness.serve.requests import RequestSpec, prompt_token_ids
@@ -219,7 +221,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 64
 
 
-def serve_config(*overrides: str) -> serve_app.ServeConfig:
+def serve_config(*overrides: str) -> ServeConfig:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         return OmegaConf.to_object(compose(config_name="serve", overrides=list(overrides)))
 
@@ -234,8 +236,8 @@ def test_it_serves_a_stream_with_the_concurrency_the_planner_predicts(tmp_path):
     cfg = serve_config("model=tiny", "dtype=fp32", f"strategy={NAME}", f"max_model_len={MAX_MODEL_LEN}",
                        "block_size=16", "kv_memory_gb=0.000125", "num_prompts=12", "qps=inf", "prompt_len=24",
                        "output_len=8", "warmup=false")  # fmt: skip
-    p = serve_app.plan(cfg)
-    row = serve_app.run(p, run_dir=serve_run_dir(tmp_path, "r"), sweep_id="s")
+    p = serve_run.plan(cfg)
+    row = serve_run.run(p, run_dir=serve_run_dir(tmp_path, "r"), sweep_id="s")
     assert row["completed"] == 12 and row["strategy"] == NAME
     assert row["max_running_requests"] == row["predicted_max_running"] == 4
 

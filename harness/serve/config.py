@@ -1,0 +1,124 @@
+"""The serving run's config: a Workload (the model, its formats, the prompt lengths) plus the KV pool, vLLM's
+scheduler knobs, the request stream and the SLOs.
+
+Hydra composes conf/serve.yaml onto ServeConfig (registered in its ConfigStore by experiments/serve.py, the app, as
+experiments/decode.py registers RunConfig); the checks that need no heavy work run at construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from harness.config import DTYPES, Workload, check_choice, device_type
+from harness.errors import ConfigError
+from harness.serve.engine import SERVE_KV_DTYPES
+from harness.serve.kv_manager import check_window, serving
+from harness.serve.metrics import parse_slo_ms
+from harness.serve.scheduler import SchedulerConfig
+
+# Workload fields a serving run does not take: the stream sets the batch, the engine runs SDPA on a float or
+# per-token-scaled pool (no int4 groups, no MLA). Each must stay at its default, so that none is silently ignored.
+NOT_SERVED = ("batch_size", "kv_group_size", "kv_residual", "attn_impl", "mla_path")
+DERIVED = {"cache": "strategy and block_size", "gen_len": "output_len"}  # set from these at construction
+
+
+@dataclass
+class ServeConfig(Workload):
+    """One serving run: the model, the KV pool, vLLM's scheduler knobs, the request stream, the SLOs.
+
+    The Workload's fields keep their meaning (model, weights, dtype, kv_dtype, prompt_len, prefix_len, attn_impl,
+    ...); prompt_len and prefix_len are the stream's (harness.serve.requests.RequestSpec). The pool is named with
+    vLLM's knobs, strategy, block_size and sliding_window, which every serving command line, preset and run row
+    already uses; the Workload's `cache` is derived from them at construction (the strategy, plus its block_size
+    when it serves from blocks), and gen_len from output_len, so that the config names each thing once and
+    `workload()` is the planner's Workload of this run. Setting cache or gen_len directly has no effect.
+
+    Validated at construction: the serving checks that need no heavy work, in the order a user fixes them (the
+    strategy, the dtypes, the scheduler's preemption mode, the window, the device, the SLOs); the stream, the
+    budget and the Workload's own checks follow in harness.serve.run.plan, on the workloads it prices the pool with.
+    """
+
+    dtype: str = "fp32"  # compute dtype
+    device: str = "auto"  # auto: cuda when available, else cpu
+    seed: int = 0
+    # The KV pool: exactly one of kv_memory_gb (GiB of KV) and gpu_memory_utilization (vLLM's; the planner subtracts
+    # weights, buffers, activations and runtime from that share of memory_gb, or of the device's memory).
+    strategy: str = "paged"  # one that serves (harness.kv.serving_names): contiguous | paged | prefix | sliding
+    block_size: int = 16
+    sliding_window: int | None = None  # sliding: tokens a query reads back (its own included)
+    kv_memory_gb: float | None = None
+    gpu_memory_utilization: float | None = None
+    memory_gb: float | None = None
+    # vLLM's scheduler, at its defaults (harness.serve.scheduler.SchedulerConfig, the one place they are declared)
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
+    watermark: float = SchedulerConfig.watermark
+    preemption_mode: str = SchedulerConfig.preemption_mode  # recompute | swap
+    max_model_len: int = 2048
+    # The stream (harness.serve.requests.RequestSpec), or a trace file that replaces it
+    num_prompts: int = 100
+    qps: float = math.inf
+    burstiness: float = 1.0
+    prompt_len: int = 256
+    prompt_dist: str = "fixed"
+    prompt_spread: float = 0.0
+    output_len: int = 64
+    output_dist: str = "fixed"
+    output_spread: float = 0.0
+    trace: str | None = None  # JSONL or CSV: arrival_s, prompt_len, output_len
+    text_ids: str | None = None  # a tokenized local text (a JSON list or .npy of ids) the prompts are cut from
+    # SLOs with a unit ("500ms", "2s"): goodput counts the requests meeting all of them
+    ttft_slo_ms: str | None = None
+    tpot_slo_ms: str | None = None
+    percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0])
+    warmup: bool = True  # one forward before the clock starts (first-call costs: allocator, oneDNN, kernels)
+    results_dir: str = "results"
+    run_id: str | None = None  # null: <sweep_id>-<strategy>-<kv_dtype>-qps<qps>
+
+    def __post_init__(self) -> None:
+        served = serving(self.strategy)  # one line for a strategy unknown or that does not serve, with its reason
+        # The planner models a window as a ring per request, not as paged blocks: a windowed strategy's cache is its
+        # name alone (harness.serve.run.plan predicts no concurrency for it).
+        blocks = {"block_size": self.block_size} if served.paged and not served.windowed else {}
+        derived = {"cache": {"name": self.strategy, **blocks}, "gen_len": self.output_len}
+        defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                    for f in dataclasses.fields(Workload)}  # fmt: skip
+        for name, value in derived.items():  # a value set by hand: refused, not overwritten unseen
+            if getattr(self, name) not in (defaults[name], value):
+                raise ConfigError(f"{name}: set from {DERIVED[name]} in a serving run; allowed: leave it unset")
+            setattr(self, name, value)
+        for name in NOT_SERVED:
+            if getattr(self, name) != defaults[name]:
+                raise ConfigError(f"{name}: a serving run does not take it; allowed: {defaults[name]}")
+        super().__post_init__()
+
+    def validate(self) -> None:
+        """The serving checks, each one line naming its field; the Workload's run on plan()'s workloads."""
+        check_choice("dtype", self.dtype, tuple(DTYPES))
+        check_choice("kv_dtype", self.kv_dtype_name, ("auto", *SERVE_KV_DTYPES))
+        check_choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
+        check_window(self.strategy, self.sliding_window)
+        device_type(self.device)
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            parse_slo_ms(getattr(self, name), name)
+
+    def config_dict(self) -> dict[str, Any]:
+        """The config a run records (its manifest and config_json): the fields a user sets. Those derived or not
+        taken (always their defaults) are left out, so every run's config_json has the same keys, earlier ones too."""
+        out = {name: value for name, value in asdict(self).items() if name not in (*DERIVED, *NOT_SERVED)}
+        out["model"] = asdict(self.model) if not isinstance(self.model, dict) else self.model
+        return out
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            watermark=self.watermark,
+            preemption_mode=self.preemption_mode,
+            max_model_len=self.max_model_len,
+        )

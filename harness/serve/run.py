@@ -1,0 +1,198 @@
+"""A serving run, planned then served: plan() checks everything before anything heavy is built (the stream, the
+budget against the longest request, the knobs), run() builds the model and the pool, warms up, serves the stream
+and writes the rows (harness.serve.rows). The Hydra app around them is experiments/serve.py.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from harness.config import DTYPES, Workload, device_type
+from harness.errors import ConfigError
+from harness.model import build_model
+from harness.serve import capacity
+from harness.serve.config import ServeConfig
+from harness.serve.engine import Engine, build_cache, check_servable, serve
+from harness.serve.kv_manager import make_kv_manager, num_blocks_for, serving
+from harness.serve.metrics import request_row, run_metrics
+from harness.serve.requests import RequestSpec, describe, generate, prompt_token_ids, read_trace
+from harness.serve.rows import ServeRunWriter, iteration_row
+from harness.serve.scheduler import Scheduler, SchedulerConfig
+
+FLUSH_EVERY_S = 1.0  # finished requests reach disk at least this often (s), whatever ServeRunWriter's flush_every
+
+
+@dataclass
+class Plan:
+    """What a run needs, worked out from its config before anything heavy is built."""
+
+    cfg: ServeConfig
+    workload: Workload
+    kv_dtype: str
+    device: str
+    requests: list
+    scheduler_config: SchedulerConfig
+    budget: capacity.KVBudget
+    num_blocks: int
+    predicted_max_running: int | None
+    budget_bytes_per_block: int
+    text_ids: list[int] | None = None
+
+
+def plan(cfg: ServeConfig) -> Plan:
+    """The checks that need the stream or the model, after ServeConfig's own, in the order a user fixes them; a
+    ConfigError names the field."""
+    served = serving(cfg.strategy)
+    kv_dtype, device = cfg.kv_dtype_name, device_type(cfg.device)  # "auto" resolved (harness.config, the one place)
+    scheduler_config = cfg.scheduler_config()
+    if cfg.trace is not None:
+        requests = read_trace(cfg.trace, max_model_len=cfg.max_model_len)
+    else:
+        spec = RequestSpec(**{name: getattr(cfg, name) for name in RequestSpec.__dataclass_fields__
+                              if name not in ("seed", "max_model_len")}, seed=cfg.seed,
+                           max_model_len=cfg.max_model_len)  # fmt: skip
+        requests = generate(spec)
+    # The planner's workload: the paged layout prices a block (every strategy's pool is one of blocks here).
+    paged = cfg.workload(kv_dtype=kv_dtype, cache={"name": "paged", "block_size": cfg.block_size})
+    check_servable(paged.model_args())
+    knobs = dict(max_model_len=cfg.max_model_len, device=device, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                 max_num_seqs=cfg.max_num_seqs)  # fmt: skip
+    if cfg.kv_memory_gb is None and cfg.gpu_memory_utilization is None and device == "cuda":
+        knobs["gpu_memory_utilization"] = 0.9  # vLLM's default
+    else:
+        knobs |= dict(kv_memory_gb=cfg.kv_memory_gb, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                      memory_gb=cfg.memory_gb)  # fmt: skip
+    budget = capacity.kv_budget(paged, **knobs)
+    block_bytes = capacity.bytes_per_block(paged)
+    num_blocks = num_blocks_for(budget.kv_bytes, block_bytes)
+    # The pool against what the device has free now: a budget past it is one line, not the OOM killer mid-run.
+    field = "memory_gb" if budget.source == "gpu_memory_utilization" and cfg.memory_gb is not None else budget.source
+    capacity.check_pool_fits(num_blocks * block_bytes, field=field, device=device)
+    # Every request must run alone in this pool, the one-line refusal a server gives before serving.
+    probe = Scheduler(scheduler_config, kv_manager(cfg, num_blocks))
+    for request in requests:
+        probe.add_request(request)
+    predicted = None
+    if not served.windowed:  # the planner models a window as a ring per request, not as paged blocks
+        predicted = capacity.predict_concurrency(
+            cfg.workload(kv_dtype=kv_dtype), requests, kv_budget_bytes=budget.kv_bytes,
+            max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, watermark=cfg.watermark,
+        ).predicted_max_running  # fmt: skip
+    text_ids = read_text_ids(cfg.text_ids) if cfg.text_ids is not None else None
+    if text_ids is not None:  # its length and id range, against this stream and this model, before any work
+        prompt_token_ids(requests, vocab_size=paged.model_args().vocab_size, seed=cfg.seed, text_ids=text_ids)
+    return Plan(cfg, paged, kv_dtype, device, requests, scheduler_config, budget, num_blocks, predicted, block_bytes,
+                text_ids)  # fmt: skip
+
+
+def read_text_ids(path: str) -> list[int]:
+    """A tokenized text: a JSON list of ints, or a 1-D integer .npy (what a tokenizer's encode() gives, saved)."""
+    import json
+
+    import numpy as np
+
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"text_ids: {path} is not a file (a JSON list of token ids, or a .npy of them)")
+    try:
+        ids = np.load(file) if file.suffix == ".npy" else np.asarray(json.loads(file.read_text()))
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"text_ids: {path} is neither a JSON list nor a .npy of token ids: {exc}") from None
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ConfigError(
+            f"text_ids: {path} must hold a non-empty 1-D list of integer ids, got {ids.dtype} {ids.shape}"
+        )
+    return ids.tolist()
+
+
+def kv_manager(cfg: ServeConfig, num_blocks: int):
+    return make_kv_manager(cfg.strategy, num_blocks=num_blocks, block_size=cfg.block_size,
+                           max_model_len=cfg.max_model_len, sliding_window=cfg.sliding_window)  # fmt: skip
+
+
+def run(p: Plan, *, run_dir: Path, sweep_id: str) -> dict:
+    """Build the model and the pool, serve the stream, write the rows; returns the run row.
+
+    The run's manifest is written first (status running, the config, the start time), before the model is built:
+    a run killed while building or warming up still leaves its folder, which the Serving page lists as unfinished;
+    an exception marks it failed, and close() finished."""
+    with ServeRunWriter(run_dir) as writer:
+        writer.start(config=p.cfg.config_dict())
+        return _serve_into(p, writer=writer, sweep_id=sweep_id)
+
+
+def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
+    """run()'s work inside its started writer: the model, the pool, the stream served, the rows and the run row."""
+    cfg, device = p.cfg, torch.device(p.device)
+    args = p.workload.model_args()
+    model = build_model(args, weights=cfg.weights, dtype=DTYPES[cfg.dtype], device=device, seed=cfg.seed,
+                        n_positions=cfg.max_model_len)  # fmt: skip
+    cache, num_slots = build_cache(cfg.strategy, args, kv_dtype=p.kv_dtype, num_blocks=p.num_blocks,
+                                   block_size=cfg.block_size, max_model_len=cfg.max_model_len, device=device,
+                                   dtype=cfg.dtype)  # fmt: skip
+    engine = Engine(model, cache, num_slots=num_slots, window=cfg.sliding_window)
+    scheduler = Scheduler(p.scheduler_config, kv_manager(cfg, p.num_blocks))
+    prompts = prompt_token_ids(p.requests, vocab_size=args.vocab_size, seed=cfg.seed, text_ids=p.text_ids)
+    if cfg.warmup:
+        warm_up(model, cache, block_size=cfg.block_size, paged=num_slots is None)
+    used, steps_ms, scheduler_ms = [], [], []
+    bytes_per_token = p.budget_bytes_per_block / cfg.block_size  # a block's K, V and scales over all layers
+
+    def on_iteration(index, output, step_s, scheduler_s):
+        writer.add_iteration(iteration_row(index, output, step_s, scheduler_s=scheduler_s,
+                                           kv_bytes_per_token=bytes_per_token))  # fmt: skip
+        used.append(output.kv.blocks_used)
+        steps_ms.append(step_s * 1e3)
+        scheduler_ms.append(scheduler_s * 1e3)
+
+    flushed = [time.monotonic()]
+
+    def on_finish(record):
+        writer.add_request(request_row(record))
+        if time.monotonic() - flushed[0] >= FLUSH_EVERY_S:  # a run killed midway keeps what finished
+            writer.flush()
+            flushed[0] = time.monotonic()
+
+    result = serve(p.requests, prompts, scheduler=scheduler, engine=engine, on_iteration=on_iteration,
+                   on_finish=on_finish)  # fmt: skip
+    row = run_metrics(result.records, result.duration_s, percentiles=cfg.percentiles,
+                      ttft_slo_ms=cfg.ttft_slo_ms, tpot_slo_ms=cfg.tpot_slo_ms)  # fmt: skip
+    row |= {
+        "sweep_id": sweep_id,
+        "engine": "kvbench",
+        "strategy": cfg.strategy,
+        "kv_dtype": p.kv_dtype,
+        "model": args.name,
+        "device": p.device,
+        # a trace's offered rate: its requests over its last arrival (inf when all arrive at 0)
+        "qps": float(cfg.qps) if cfg.trace is None else describe(p.requests)["offered_qps"],
+        "num_blocks": p.num_blocks,
+        "block_size": cfg.block_size,
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "kv_budget_bytes": p.budget.kv_bytes,
+        "num_iterations": result.num_iterations,
+        "predicted_max_running": p.predicted_max_running,
+        "mean_kv_utilization": sum(used) / len(used) / p.num_blocks,
+        "peak_kv_utilization": max(used) / p.num_blocks,
+        "mean_step_ms": sum(steps_ms) / len(steps_ms),
+        "mean_scheduler_ms": sum(scheduler_ms) / len(scheduler_ms),
+    }
+    writer.close(row, config=cfg.config_dict())
+    return row
+
+
+def warm_up(model, cache, *, block_size: int, paged: bool) -> None:
+    """One 8-token prefill into block (or slot) 0 before the clock starts; whatever it writes is overwritten before
+    any query reads it, as a request's own tokens are written before they are read."""
+    from harness.kv.varlen import SeqBatch
+
+    n = min(8, block_size) if paged else 8
+    batch = SeqBatch((0,), (0,), (n,), block_tables=((0,),) if paged else ())
+    with torch.inference_mode():
+        model(torch.zeros((1, n), dtype=torch.long, device=next(model.parameters()).device), batch, cache,
+              last_only=True)  # fmt: skip

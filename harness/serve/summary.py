@@ -1,0 +1,42 @@
+"""What a user reads at the end of a serving run: the figures beside what bounds them."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from harness.serve.metrics import SLO_COLUMNS
+
+
+def summary_lines(row: dict, run_dir: Path) -> list[str]:
+    """What a user reads at the end of a run: the figures beside what bounds them."""
+    predicted = row["predicted_max_running"]
+    return [
+        f"serve {row['strategy']} {row['kv_dtype']} at qps={row['qps']:g}: {row['completed']} requests in "
+        f"{row['duration_s']:.1f} s ({row['num_iterations']} iterations) -> {run_dir}",
+        f"  throughput   {row['output_throughput']:.1f} output tok/s, {row['request_throughput']:.2f} req/s "
+        f"(goodput {row['request_goodput']:.2f} req/s: {goodput_terms(row)})",
+        f"  TTFT         median {row['median_ttft_ms']:.0f} ms, p99 {row.get('p99_ttft_ms', math.nan):.0f} ms",
+        f"  TPOT         median {row['median_tpot_ms']:.1f} ms, p99 {row.get('p99_tpot_ms', math.nan):.1f} ms",
+        f"  concurrency  {row['max_running_requests']} running at most, measured; planner predicted "
+        f"{'n/a' if predicted is None else predicted}; {row['max_concurrent_requests']} in flight at most "
+        f"(queueing included); {row['total_preemptions']} preemptions",
+        f"  KV pool      {row['num_blocks']} blocks of {row['block_size']} tokens "
+        f"({row['kv_budget_bytes'] / 2**20:.0f} MiB), used {100 * row['mean_kv_utilization']:.0f}% on average, "
+        f"{100 * row['peak_kv_utilization']:.0f}% at peak; prefix hit rate {100 * row['prefix_hit_rate']:.0f}%",
+        f"  host         {row['mean_step_ms']:.1f} ms per forward, scheduler {row['mean_scheduler_ms']:.2f} ms "
+        f"per iteration ({100 * row['mean_scheduler_ms'] / (row['mean_step_ms'] + row['mean_scheduler_ms']):.1f}%)",
+    ]
+
+
+def goodput_terms(row: dict) -> str:
+    """What defines the goodput beside it: how many requests met which SLOs, or that none was given."""
+    slos = [f"{name} <= {_duration(row[column])}" for column, name in SLO_COLUMNS.items() if row.get(column)]
+    if not slos:
+        return "no SLO given, every request counts"
+    good = round(row["request_goodput"] * row["duration_s"])  # goodput = good requests / duration
+    return f"{good} of {row['completed']} requests met {' and '.join(slos)}"
+
+
+def _duration(ms: float) -> str:
+    return f"{ms / 1e3:g} s" if ms >= 1e3 else f"{ms:g} ms"  # 10 s, 250 ms: as the SLO was likely written
