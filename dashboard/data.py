@@ -11,6 +11,7 @@ import io
 import json
 import logging
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -46,12 +47,29 @@ def source_label(directory: str | Path) -> str:
     return SOURCE_REFERENCE if Path(directory).resolve() == REFERENCE_DIR.resolve() else SOURCE_RESULTS
 
 
+def fingerprint(files: Iterable[Path]) -> Fingerprint:
+    """The (path, mtime_ns, size) of each file, sorted: the key every cached loader here and in
+    dashboard/serve_data.py is called with, so that a file written, rewritten or removed reloads it. A file removed
+    while we looked is left out."""
+    stamps = set()
+    for file in files:
+        try:
+            stat = file.stat()
+        except OSError:  # removed while we looked
+            continue
+        stamps.add((str(file), stat.st_mtime_ns, stat.st_size))
+    return tuple(sorted(stamps))
+
+
 def _fingerprint(sources: tuple[str, ...], pattern: str = "*.parquet") -> Fingerprint:
     """The files under the sources that match `pattern`: not hidden, and not in the reference folder unless it is
     itself one of the sources."""
+    return fingerprint(_source_files(sources, pattern))
+
+
+def _source_files(sources: tuple[str, ...], pattern: str) -> Iterator[Path]:
     reference = REFERENCE_DIR.resolve()
     with_reference = any(Path(source).resolve() == reference for source in sources)
-    stamps = set()
     for source in sources:
         root = Path(source).resolve()
         for file in root.rglob(pattern):
@@ -59,12 +77,7 @@ def _fingerprint(sources: tuple[str, ...], pattern: str = "*.parquet") -> Finger
                 continue  # write_point's temp files, editor leftovers
             if not with_reference and file.is_relative_to(reference):
                 continue
-            try:
-                stat = file.stat()
-            except OSError:  # removed while we looked
-                continue
-            stamps.add((str(file), stat.st_mtime_ns, stat.st_size))
-    return tuple(sorted(stamps))
+            yield file
 
 
 # ----------------------------------------------------------------------------------------------------------- rows
