@@ -349,6 +349,13 @@ COLUMNS: tuple[Column, ...] = (
         "Analytic KV size: 2 × n_layers × (prompt_len + gen_len) × n_kv_heads × head_dim × bytes(kv_dtype) × batch_size",
     ),
     Column(
+        "kv_bytes_planner",
+        "int64",
+        "bytes",
+        "Analytic, the planner's KV bytes for the point's workload (harness.plan: scales, whole blocks, a window, a "
+        "shared prefix, int4's tail): what kv_bytes_allocated should be; null where the planner refuses (mixed lengths)",
+    ),
+    Column(
         "peak_mem_bytes",
         "int64",
         "bytes",
