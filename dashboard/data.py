@@ -1,5 +1,6 @@
-"""What the dashboard reads: result rows, capacity frontiers and profiler tables, as cached pandas loaders; and the
-real planner's KV bytes for each row's workload (planner_kv_bytes).
+"""What the dashboard reads: result rows, capacity frontiers, profiler and KV-movement tables, as cached pandas
+loaders. The planner's KV bytes are a column of the row (kv_bytes_planner, written by the run): the dashboard never
+imports the planner.
 
 Plain functions, testable without a running app. Every cached loader is keyed on the (path, mtime, size) of the
 files it reads, so a point written while the app is open shows up on the next rerun, and nothing is read twice.
@@ -11,6 +12,7 @@ import io
 import json
 import logging
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -46,12 +48,29 @@ def source_label(directory: str | Path) -> str:
     return SOURCE_REFERENCE if Path(directory).resolve() == REFERENCE_DIR.resolve() else SOURCE_RESULTS
 
 
+def fingerprint(files: Iterable[Path]) -> Fingerprint:
+    """The (path, mtime_ns, size) of each file, sorted: the key every cached loader here and in
+    dashboard/serve_data.py is called with, so that a file written, rewritten or removed reloads it. A file removed
+    while we looked is left out."""
+    stamps = set()
+    for file in files:
+        try:
+            stat = file.stat()
+        except OSError:  # removed while we looked
+            continue
+        stamps.add((str(file), stat.st_mtime_ns, stat.st_size))
+    return tuple(sorted(stamps))
+
+
 def _fingerprint(sources: tuple[str, ...], pattern: str = "*.parquet") -> Fingerprint:
     """The files under the sources that match `pattern`: not hidden, and not in the reference folder unless it is
     itself one of the sources."""
+    return fingerprint(_source_files(sources, pattern))
+
+
+def _source_files(sources: tuple[str, ...], pattern: str) -> Iterator[Path]:
     reference = REFERENCE_DIR.resolve()
     with_reference = any(Path(source).resolve() == reference for source in sources)
-    stamps = set()
     for source in sources:
         root = Path(source).resolve()
         for file in root.rglob(pattern):
@@ -59,12 +78,7 @@ def _fingerprint(sources: tuple[str, ...], pattern: str = "*.parquet") -> Finger
                 continue  # write_point's temp files, editor leftovers
             if not with_reference and file.is_relative_to(reference):
                 continue
-            try:
-                stat = file.stat()
-            except OSError:  # removed while we looked
-                continue
-            stamps.add((str(file), stat.st_mtime_ns, stat.st_size))
-    return tuple(sorted(stamps))
+            yield file
 
 
 # ----------------------------------------------------------------------------------------------------------- rows
@@ -231,125 +245,7 @@ def _load_kv_tables(stamps: Fingerprint, *, prefix: str, key: tuple[str, ...]) -
     return merged.drop_duplicates(subset=[k for k in key if k in merged.columns], keep="first", ignore_index=True)
 
 
-# ------------------------------------------------------------------------------------------------------ planner
-
-# The row's columns the planner reads: the model (a preset name, and the shapes the row ran with), the workload and
-# the strategy's options. An option column is null where the strategy has no such option; the planner's default
-# then stands, as it did for the run.
-PLANNER_COLUMNS = (
-    "model",
-    "n_layers",
-    "n_kv_heads",
-    "head_dim",
-    "lengths",
-    "dtype",
-    "kv_dtype",
-    "cache",
-    "batch_size",
-    "prompt_len",
-    "gen_len",
-    *schema.OPTION_COLUMNS,
-    "prefix_len",
-    "kv_group_size",
-    "kv_residual",
-)
-PLANNER_REQUIRED = ("model", "dtype", "kv_dtype", "cache", "batch_size", "prompt_len", "gen_len")
-
-
-def planner_kv_bytes(rows: pd.DataFrame) -> pd.Series:
-    """The real planner's KV bytes (harness.plan) for each row's workload, aligned on rows.index (Int64).
-
-    Null, never guessed, where the planner cannot stand for the row: a model that is not a preset here (a
-    checkpoint's shapes are in its config.json, which this machine may not have) or whose preset's shapes differ
-    from the row's; mixed lengths (the pool held the drawn lengths, which the row does not record); a workload the
-    planner refuses. Each distinct workload is planned once, so 100k rows of a few configs cost a few calls.
-    """
-    narrow = rows.reindex(columns=list(PLANNER_COLUMNS))
-    if narrow.empty:
-        return pd.Series(pd.NA, index=rows.index, dtype="Int64")
-    codes = narrow.groupby(list(PLANNER_COLUMNS), dropna=False, sort=False).ngroup()
-    first = ~codes.duplicated()
-    workloads = tuple(
-        tuple(_plain(value) for value in values) for values in narrow[first.to_numpy()].itertuples(index=False)
-    )
-    planned = pd.Series(_planner_kv_bytes(workloads), index=codes[first].to_numpy(), dtype="Int64")
-    return pd.Series(planned.reindex(codes.to_numpy()).to_numpy(), index=rows.index, dtype="Int64")
-
-
-def _plain(value: object) -> object:
-    """A cell as a hashable plain value for the cache key: None for nulls, int for whole numbers, else str."""
-    if value is None or value is pd.NA or (isinstance(value, float) and np.isnan(value)):
-        return None
-    if isinstance(value, int | np.integer | float | np.floating) and float(value).is_integer():
-        return int(value)
-    return str(value)
-
-
-@st.cache_data(show_spinner="Planning KV bytes…")
-def _planner_kv_bytes(workloads: tuple[tuple, ...]) -> list[int | None]:
-    """One planner figure per workload (PLANNER_COLUMNS values), None where it cannot stand for the row.
-
-    The one place the dashboard calls the planner. Imported here, not at the top: harness.plan imports torch
-    (seconds at start-up), and only the page that shows the planner's figure should pay for it."""
-    import dataclasses
-
-    from harness.errors import ConfigError
-    from harness.model_args import PRESETS, ModelArgs
-    from harness.plan import ledger
-
-    figures: list[int | None] = []
-    for values in workloads:
-        row = dict(zip(PLANNER_COLUMNS, values, strict=True))
-        if (
-            any(row[key] is None for key in PLANNER_REQUIRED)
-            or row["model"] not in PRESETS
-            or row["lengths"] == "mixed"
-        ):
-            figures.append(None)
-            continue
-        args = ModelArgs.from_name(row["model"])
-        if row["n_kv_heads"] is not None:  # a preset run with other KV heads (model.n_kv_heads)
-            args = dataclasses.replace(args, n_kv_heads=row["n_kv_heads"])
-        if any(row[key] is not None and row[key] != getattr(args, key) for key in ("n_layers", "head_dim")):
-            figures.append(None)  # a checkpoint that shares a preset's name, not the preset
-            continue
-        try:
-            # the strategy's own options, as its row columns hold them (null: the option's default)
-            options = {
-                key: row[column] for key, column in option_columns(row["cache"]).items() if row.get(column) is not None
-            }
-            quant = {key: row[key] for key in ("kv_group_size", "kv_residual") if row[key] is not None}
-            figures.append(
-                ledger.kv_bytes_allocated(
-                    args,
-                    cache=row["cache"],
-                    kv_dtype=row["kv_dtype"],
-                    batch_size=row["batch_size"],
-                    prompt_len=row["prompt_len"],
-                    gen_len=row["gen_len"],
-                    prefix_len=row["prefix_len"] or 0,
-                    dtype=row["dtype"],
-                    **quant,
-                    **options,
-                )
-            )
-        except (ConfigError, ValueError) as exc:  # a workload the planner refuses (unsupported, out of range)
-            log.info("no planner figure for %s: %s", row, exc)
-            figures.append(None)
-    return figures
-
-
 # -------------------------------------------------------------------------------------------------------- export
-
-
-def option_columns(cache: str) -> dict[str, str]:
-    """A strategy's options -> the row columns that hold them: its layout's option_columns at the defaults, in the
-    options' order (evict's `window` is the column obs_window: `window` is the sliding window's)."""
-    from harness import kv
-
-    names = kv.option_names(cache)
-    columns = list(kv.layout(cache, {}).option_columns())
-    return dict(zip(names, columns, strict=True)) if len(columns) == len(names) else {name: name for name in names}
 
 
 def csv_bytes(rows: pd.DataFrame) -> bytes:

@@ -4,7 +4,7 @@ A serving run is a folder <source>/serve/<run_id>/ (harness.serve.rows.serve_run
 the run starts), numbered request and iteration parts and, once the run has finished, run.parquet. Each source
 folder the sidebar reads (the user's results, the committed reference) is searched at that one depth, so
 results/reference/serve/ is read once, as the reference's. Every cached loader is keyed on the (path, mtime, size)
-of the files it reads, as dashboard/data.py's are, so a run still writing parts shows its new requests on the next
+of the files it reads (dashboard.data.fingerprint, as dashboard/data.py's are), so a run still writing parts shows its new requests on the next
 rerun.
 """
 
@@ -17,7 +17,7 @@ import pandas as pd
 import pyarrow as pa
 import streamlit as st
 
-from dashboard.data import Fingerprint, source_label
+from dashboard.data import Fingerprint, fingerprint, source_label
 from harness.serve import rows
 from harness.serve.rows import (
     MANIFEST_FILE,
@@ -67,15 +67,7 @@ def _run_files(folder: Path) -> list[Path]:
 
 
 def _fingerprint(folders: list[Path]) -> Fingerprint:
-    stamps = []
-    for folder in folders:
-        for path in _run_files(folder):
-            try:
-                stat = path.stat()
-            except OSError:  # removed while we looked
-                continue
-            stamps.append((str(path), stat.st_mtime_ns, stat.st_size))
-    return tuple(sorted(stamps))
+    return fingerprint(path for folder in folders for path in _run_files(folder))
 
 
 # ------------------------------------------------------------------------------------------------------------ runs

@@ -133,7 +133,7 @@ CHART_MODULES = ("common", "overview", "roofline", "crossover", "memory", "strat
 @pytest.mark.parametrize("module", CHART_MODULES)
 def test_a_chart_module_imports_without_torch(module):
     # A fresh interpreter: this one has torch already (tests/conftest.py). torch costs the dashboard seconds at
-    # start-up and none of its charts needs it; only data.planner_kv_bytes imports it, inside, when called.
+    # start-up and none of its charts needs it (the planner's figure is a column of the row, kv_bytes_planner).
     probe = f"import sys, dashboard.charts.{module}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -38,7 +38,7 @@ def test_memory_ledger_marks_the_analytic_formulas_weights_plus_kv_under_that_na
 
 
 def test_memory_ledger_marks_the_planners_weights_plus_kv_beside_the_formulas():
-    rows = ledger_rows().assign(**{PLANNER_COLUMN: [GIB, GIB, None, None]})  # as dashboard.data.planner_kv_bytes
+    rows = ledger_rows().assign(**{PLANNER_COLUMN: [GIB, GIB, None, None]})  # as runs record kv_bytes_planner
     fig = memory_ledger(rows)
     assert list(trace(fig, "planner (weights + KV)").y[:2]) == [3.0, 3.0]
     assert list(trace(fig, "analytic formula (weights + KV)").y[:2]) == [2.5, 2.5]

@@ -16,7 +16,7 @@ from harness.model import build_model
 from harness.model_args import ModelArgs
 from harness.plan import ledger
 from harness.run import runner
-from harness.run.bench import run_point
+from harness.run.bench import config_columns, run_point
 from harness.timing import StepTimer
 from tests.greedy import LogitRecorder
 
@@ -313,17 +313,14 @@ def test_with_real_weights_a_budget_under_the_length_fills_the_perplexity_delta_
     assert 0 <= row["top1_agreement"] <= 1 and row["kl_mean"] > 0
 
 
-def test_the_dashboard_plans_an_eviction_row_from_its_obs_window_column():
-    import pandas as pd
-
-    from dashboard import data
-
-    row = dict(model="tiny", dtype="fp32", kv_dtype="fp32", cache="evict", batch_size=1, prompt_len=64, gen_len=8,
-               policy="h2o", budget=16, obs_window=4, window=None, prefix_len=0)  # fmt: skip
-    planned = data.planner_kv_bytes(pd.DataFrame([row]))
+def test_an_eviction_points_planner_figure_uses_its_observation_window():
+    cfg = RunConfig(model={"name": "tiny"}, dtype="fp32", kv_dtype="fp32", batch_size=1, prompt_len=64, gen_len=8,
+                    cache={"name": "evict", "policy": "h2o", "budget": 16, "window": 4}, **FAST)  # fmt: skip
+    row = config_columns(cfg)
     expected = ledger.kv_bytes_allocated(
         ModelArgs.from_name("tiny"),
         cache="evict", kv_dtype="fp32", dtype="fp32", batch_size=1, prompt_len=64, gen_len=8, policy="h2o",
         budget=16, window=4,
     )  # fmt: skip
-    assert planned.iloc[0] == expected  # before: window read from the sliding column (null), its default 32 > budget
+    assert row["obs_window"] == 4 and row["window"] is None  # the option `window` is the column obs_window
+    assert row["kv_bytes_planner"] == expected  # not the default window 32 > budget

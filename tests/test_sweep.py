@@ -75,6 +75,7 @@ def test_contiguous_allocation_equals_the_prediction_and_paged_live_follows_the_
     table = disk.load(tmp_path).set_index("cache")
     contiguous, paged = table.loc["contiguous"], table.loc["paged"]
     assert contiguous["kv_bytes_allocated"] == contiguous["kv_bytes_predicted"]
+    assert (table["kv_bytes_planner"] == table["kv_bytes_allocated"]).all()  # the planner, written by the run
     per_token = contiguous["kv_bytes_predicted"] / (2 * (21 + 6))  # batch x (prompt + gen) tokens
     assert paged["kv_bytes_live"] == 2 * (21 + 6 - 1) * per_token
     assert paged["block_size"] == 16 and pd.isna(contiguous["block_size"])

@@ -12,9 +12,7 @@ from dashboard.sidebar import current, page_rows, plot
 GiB = 2**30
 
 st.title("Memory ledger")
-rows = page_rows()
-# The real planner's KV bytes for each row's workload (harness.plan; it imports torch, on this page only).
-rows = rows.assign(**{PLANNER_COLUMN: data.planner_kv_bytes(rows)})
+rows = page_rows()  # kv_bytes_planner: the planner's KV bytes, as the run wrote them into the row
 
 
 def default_capacity_gib(rows) -> float | None:
@@ -69,6 +67,7 @@ st.caption(
     "kv_bytes_predicted is the seed notes' analytic formula, 2 × layers × tokens × kv_heads × head_dim × bytes × "
     "batch (MLA: layers × tokens × (kv_lora_rank + qk_rope_head_dim) × bytes × batch, its one latent row): no "
     "scales, no block rounding, no prefix sharing. kv_bytes_planner is the planner's figure for the row's "
-    "workload (harness.plan: scales, whole blocks, a window, shared prefix blocks, int4's tail; `none` keeps "
-    "nothing); it is empty where the planner cannot stand for the row (a model that is not a preset here)."
+    "workload, as the run recorded it (harness.plan: scales, whole blocks, a window, shared prefix blocks, int4's "
+    "tail; `none` keeps nothing); it is empty where the planner refused the workload (mixed lengths), and not "
+    "recorded in a row written before the column existed (scripts/backfill_kv_bytes_planner.py fills those in)."
 )

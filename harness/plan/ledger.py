@@ -105,6 +105,11 @@ def kv_bytes_allocated(
         gen_len=gen_len,
         batch_size=batch_size,
     )
+    return workload_kv_bytes(workload)
+
+
+def workload_kv_bytes(workload: Workload) -> int:
+    """kv_bytes_allocated for a workload already built (a RunConfig's .workload(): the point runner's row)."""
     return workload.layout().allocation(workload).total_bytes
 
 

@@ -21,6 +21,7 @@ from harness.formats import EXACT_REFERENCE
 from harness.host_noise import HostNoiseWindow
 from harness.kv.base import CacheSpec
 from harness.model import build_model, weights_bytes
+from harness.plan import ledger
 from harness.probes import MemoryProbe
 from harness.run.point_result import PointResult
 from harness.store.schema import OPTION_COLUMNS
@@ -317,9 +318,23 @@ def config_columns(cfg: RunConfig) -> dict:
         "moe_as_dense": args.moe_as_dense,
         "seed": cfg.seed,
         "max_memory_gb": cfg.max_memory_gb,
+        "kv_bytes_planner": planner_kv_bytes(cfg),
         # Everything, as resolved: `kvbench-results diff` lists what changed between two rows.
         "config_json": config_json(cfg),
     }
+
+
+def planner_kv_bytes(cfg: RunConfig) -> int | None:
+    """The planner's KV bytes for the point (harness.plan.ledger, analytic: what its strategy allocates at the peak
+    of a generation of prompt_len + gen_len tokens), or None where it cannot stand for the point: mixed lengths (the
+    pool holds the drawn lengths) or a workload the planner refuses."""
+    if cfg.lengths == "mixed":
+        return None
+    try:
+        return ledger.workload_kv_bytes(cfg.workload())
+    except (ValueError, Unsupported) as exc:  # ConfigError included: a workload the planner refuses
+        log.info("no planner figure for %s: %s", cfg.point_id(), exc)
+        return None
 
 
 def config_json(cfg: RunConfig) -> str:

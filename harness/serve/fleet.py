@@ -32,9 +32,11 @@ import pandas as pd
 import pyarrow as pa
 
 from harness.errors import ConfigError
+from harness.serve.columns import FLEET_COLUMNS, KNEE_ROW_COLUMNS
 from harness.serve.metrics import MS_PER_S, SLO_FORMS, knee, parse_slo_ms
 from harness.serve.rows import RUN_FILE, SERVE_DIR, read_run_table
 from harness.store.disk import FLEET_PREFIX, write_parquet
+from harness.store.schema import arrow_fields
 
 CURVE_KEY = ("strategy", "kv_dtype", "engine")  # one curve, one knee
 KNEE_METRIC = "p99_ttft_ms"  # issue #16 item 8: "the highest qps whose TTFT p99 stays under the SLO"
@@ -54,18 +56,8 @@ _KNEE_RUN_COLUMNS += ("max_concurrent_requests", "max_running_requests")
 
 # The fleet table on disk: one schema whatever a sweep held (a curve without a knee has nulls, still float64).
 F64, I64, STR = pa.float64(), pa.int64(), pa.string()
-KNEE_FIELDS = [pa.field(name, STR) for name in ("sweep_id", *CURVE_KEY, "status")]
-KNEE_FIELDS += [pa.field("num_points", I64)]  # runs at a finite qps
-KNEE_FIELDS += [pa.field(name, F64) for name in ("min_qps", "max_qps", "ttft_slo_ms")]  # req/s; ms
-KNEE_FIELDS += [pa.field(name, F64) for name in ("knee_qps", "knee_p99_ttft_ms")]  # measured: req/s, ms
-KNEE_FIELDS += [pa.field(name, F64) for name in ("knee_request_throughput", "knee_output_throughput")]  # req/s, tok/s
-KNEE_FIELDS += [pa.field("knee_mean_e2el_ms", F64)]
-KNEE_FIELDS += [pa.field(name, I64) for name in ("knee_max_concurrent_requests", "knee_max_running_requests")]
-FLEET_SCHEMA = pa.schema(
-    KNEE_FIELDS
-    + [pa.field("target_qps", F64), pa.field("replicas", I64)]  # measured: ceil(target / knee)
-    + [pa.field(name, F64) for name in ("predicted_concurrency", "predicted_concurrency_per_replica")]  # Little
-)
+KNEE_FIELDS = arrow_fields(KNEE_ROW_COLUMNS)  # harness.serve.columns: each column's unit and meaning
+FLEET_SCHEMA = pa.schema(arrow_fields(FLEET_COLUMNS))
 KNEE_COLUMNS = [field.name for field in KNEE_FIELDS]
 
 

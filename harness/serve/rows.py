@@ -8,7 +8,7 @@ of one: its finished requests load, with no run row; a run killed before its fir
 leaves its manifest, still `running`. Rows buffered since the last flush die with a SIGKILL; an exception (Ctrl-C
 included) inside `with ServeRunWriter(...)` flushes them first and marks the manifest `failed`, naming it.
 
-Every part is built against an explicit schema (below), so all parts of a table have one set of types whatever
+Every part is built against an explicit schema (the column contracts of harness.serve.columns), so all parts of a table have one set of types whatever
 values a part happened to hold (a part of one-token outputs has tpot_ms all null, still float64).
 """
 
@@ -27,11 +27,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from harness.errors import ConfigError
+from harness.serve.columns import ITERATION_COLUMNS, REQUEST_COLUMNS, RUN_COLUMNS
 from harness.serve.metrics import LATENCY_METRICS
 from harness.serve.scheduler import SchedulerOutput
 from harness.store import disk
 from harness.store.atomic import atomic_write
 from harness.store.disk import write_parquet
+from harness.store.schema import arrow_fields
 
 log = logging.getLogger(__name__)
 
@@ -43,75 +45,12 @@ RUNNING, FINISHED, FAILED = "running", "finished", "failed"  # a manifest's stat
 _RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")  # a folder name, safe everywhere and never hidden
 _PERCENTILE_COLUMN = re.compile(rf"p\d+(\.\d+)?_({'|'.join(LATENCY_METRICS)})_ms")  # run_metrics' p<P>_<m>_ms
 
-F64, I64, STR = pa.float64(), pa.int64(), pa.string()
+F64, I64 = pa.float64(), pa.int64()
 
-
-def _required(name: str, type_: pa.DataType) -> pa.Field:
-    return pa.field(name, type_, nullable=False)
-
-
-REQUEST_SCHEMA = pa.schema(  # metrics.request_row's keys, plus run_id
-    [
-        _required("run_id", STR),
-        _required("request_id", STR),
-        _required("arrival_s", F64),
-        _required("queue_ms", F64),
-        _required("ttft_ms", F64),
-        pa.field("tpot_ms", F64),  # null for a one-token output: no token after the first
-        _required("itl_ms", pa.list_(F64)),  # output_len - 1 gaps, [] for a one-token output
-        _required("e2el_ms", F64),
-        _required("prompt_len", I64),  # tokens
-        _required("output_len", I64),  # tokens
-        _required("prefix_hit_tokens", I64),
-        _required("preemptions", I64),
-    ]
-)
-ITERATION_SCHEMA = pa.schema(  # iteration_row's keys, plus run_id
-    [_required("run_id", STR), _required("iteration", I64), _required("time_s", F64), _required("step_ms", F64)]
-    + [_required("scheduler_ms", F64)]  # host time of schedule() and update(), beside the forward's step_ms
-    + [
-        _required(name, I64)
-        for name in (
-            "num_running",
-            "num_waiting",
-            "num_prefill_tokens",
-            "num_decode_tokens",
-            "num_preempted",
-            "kv_used_blocks",
-            "kv_free_blocks",
-            "kv_cached_blocks",
-            "kv_live_tokens",
-            "kv_allocated_tokens",
-        )
-    ]
-    # The same two in bytes at the pool's format (scales included), null when the producer does not know it
-    + [pa.field("kv_live_bytes", F64), pa.field("kv_allocated_bytes", F64)]
-)
-# The run row: metrics.run_metrics' keys, plus run_id and config_json. Its p<P>_<metric>_ms columns follow the
-# percentiles the run asked for, so they are added per row (float64, nullable) rather than fixed here.
-RUN_FIELDS = [_required("run_id", STR), _required("config_json", STR), _required("duration_s", F64)]
-RUN_FIELDS += [_required(name, I64) for name in ("completed", "total_input_tokens", "total_output_tokens")]
-RUN_FIELDS += [_required(name, F64) for name in ("request_throughput", "request_goodput")]  # req/s
-RUN_FIELDS += [pa.field(f"{name}_slo_ms", F64) for name in ("ttft", "tpot", "e2el")]  # null: no SLO
-RUN_FIELDS += [_required(name, F64) for name in ("output_throughput", "total_token_throughput")]  # tok/s
-RUN_FIELDS += [pa.field(f"{s}_{m}_ms", F64) for m in LATENCY_METRICS for s in ("mean", "median", "std")]
-RUN_FIELDS += [_required(name, I64) for name in ("max_concurrent_requests", "max_running_requests")]
-RUN_FIELDS += [_required("total_preemptions", I64)]
-RUN_FIELDS += [_required("prefix_hit_rate", F64)]
-# What the run was, so that runs compare without parsing config_json: the sweep it belongs to (the runs of one
-# `-m` sweep, e.g. experiment=serve-qps, share it; a single run is its own), the engine ("kvbench", or the peer
-# "transformers"), the KV strategy and format, the arrival rate (inf: all at once), the pool it had, the planner's
-# prediction for that pool (null: no prediction, e.g. the peer), and the engine's own per-iteration figures.
-RUN_FIELDS += [_required(name, STR) for name in ("sweep_id", "engine", "strategy", "kv_dtype", "model", "device")]
-RUN_FIELDS += [_required("qps", F64)]  # requests/s; inf: every request at t = 0
-RUN_FIELDS += [_required(name, I64) for name in ("num_blocks", "block_size", "kv_budget_bytes")]
-# The scheduler's caps the run had (harness.serve.scheduler.SchedulerConfig); null: a run row written before they
-# were recorded (the committed reference's), whose config_json still holds them
-RUN_FIELDS += [pa.field(name, I64) for name in ("max_num_seqs", "max_num_batched_tokens")]
-RUN_FIELDS += [pa.field("num_iterations", I64)]  # null: an engine that does not say (the peer)
-RUN_FIELDS += [pa.field("predicted_max_running", I64)]  # harness.serve.capacity.predict_concurrency
-RUN_FIELDS += [pa.field(name, F64) for name in ("mean_kv_utilization", "peak_kv_utilization")]  # used / all blocks
-RUN_FIELDS += [pa.field(name, F64) for name in ("mean_step_ms", "mean_scheduler_ms")]  # per iteration, host clock
+# Each table's parquet schema, from its column contract (harness.serve.columns): units and meanings as metadata.
+REQUEST_SCHEMA = pa.schema(arrow_fields(REQUEST_COLUMNS))
+ITERATION_SCHEMA = pa.schema(arrow_fields(ITERATION_COLUMNS))
+RUN_FIELDS = arrow_fields(RUN_COLUMNS)  # the run row's fixed columns; run_schema adds its percentiles
 RUN_CONTEXT = (
     "sweep_id", "engine", "strategy", "kv_dtype", "model", "device", "qps", "num_blocks", "block_size", "kv_budget_bytes",
     "max_num_seqs", "max_num_batched_tokens", "num_iterations", "predicted_max_running", "mean_kv_utilization",

@@ -77,6 +77,9 @@ class Column:
     # The value of a row recorded before the column existed, when it is known (attn_impl: every such row ran
     # SDPA); None: unknown, a null.
     absent: str | None = None
+    # Never null: a writer refuses a row without it (the serving tables' measured figures); a result row's columns
+    # are all nullable (a failed point has no figures).
+    required: bool = False
 
     def __post_init__(self) -> None:
         if self.type not in _ARROW_TYPES:
@@ -346,6 +349,13 @@ COLUMNS: tuple[Column, ...] = (
         "Analytic KV size: 2 × n_layers × (prompt_len + gen_len) × n_kv_heads × head_dim × bytes(kv_dtype) × batch_size",
     ),
     Column(
+        "kv_bytes_planner",
+        "int64",
+        "bytes",
+        "Analytic, the planner's KV bytes for the point's workload (harness.plan: scales, whole blocks, a window, a "
+        "shared prefix, int4's tail): what kv_bytes_allocated should be; null where the planner refuses (mixed lengths)",
+    ),
+    Column(
         "peak_mem_bytes",
         "int64",
         "bytes",
@@ -546,12 +556,18 @@ COLUMNS: tuple[Column, ...] = (
 
 def arrow_schema() -> pa.Schema:
     """The typed Arrow schema of a row; each field carries its unit and description as metadata."""
-    return pa.schema(_arrow_fields(COLUMNS), metadata={"kvbench.schema_version": str(SCHEMA_VERSION)})
+    return pa.schema(arrow_fields(COLUMNS), metadata={"kvbench.schema_version": str(SCHEMA_VERSION)})
 
 
-def _arrow_fields(columns: tuple[Column, ...]) -> list[pa.Field]:
+def arrow_fields(columns: tuple[Column, ...]) -> list[pa.Field]:
     return [
-        pa.field(c.name, _ARROW_TYPES[c.type], metadata={"unit": c.unit, "description": c.description}) for c in columns
+        pa.field(
+            c.name,
+            _ARROW_TYPES[c.type],
+            nullable=not c.required,
+            metadata={"unit": c.unit, "description": c.description},
+        )
+        for c in columns
     ]
 
 
@@ -611,4 +627,4 @@ FRONTIER_COLUMNS: tuple[Column, ...] = (
 
 def frontier_arrow_schema() -> pa.Schema:
     """The typed Arrow schema of a frontier table; each field carries its unit and description as metadata."""
-    return pa.schema(_arrow_fields(FRONTIER_COLUMNS))
+    return pa.schema(arrow_fields(FRONTIER_COLUMNS))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 import pyarrow as pa
 
-from harness.store.schema import Column, _arrow_fields
+from harness.store.schema import Column, arrow_fields
 
 TIERS_DIR = "tiers"  # <results_dir>/tiers/bandwidth-<time>.parquet
 TIER_PREFIX = "bandwidth-"
@@ -129,7 +129,7 @@ PD_COLUMNS: tuple[Column, ...] = (
 
 
 def arrow_schema(columns: tuple[Column, ...]) -> pa.Schema:
-    return pa.schema(_arrow_fields(columns))
+    return pa.schema(arrow_fields(columns))
 
 
 def write_table(frame: pd.DataFrame, columns: tuple[Column, ...], directory: str | Path, *, prefix: str) -> Path:

@@ -1,0 +1,153 @@
+"""The column contracts of a serving run's tables and of a sweep's fleet table: name, Arrow type, unit, meaning.
+
+Column tables as every other table's (harness.store.schema.Column): harness.serve.rows writes the request,
+iteration and run tables against them, harness.serve.fleet the knee and fleet table. A `required` column is never
+null; the writer refuses a row without it. Torch-free (pyarrow only), as the store's contracts.
+"""
+
+from __future__ import annotations
+
+from harness.serve.metrics import LATENCY_METRICS
+from harness.store.schema import Column
+
+_LATENCY_NAMES = {"ttft": "time to first token", "tpot": "time per output token", "itl": "inter-token latency"}
+_LATENCY_NAMES["e2el"] = "end-to-end latency"
+
+
+def _required(name: str, type_: str, unit: str, description: str) -> Column:
+    return Column(name, type_, unit, description, required=True)
+
+
+# One row per finished request: metrics.request_row's keys, plus run_id.
+REQUEST_COLUMNS: tuple[Column, ...] = (
+    _required("run_id", "string", "", "The serving run (its folder's name)"),
+    _required("request_id", "string", "", "The request's id in the run's request stream"),
+    _required("arrival_s", "float64", "s", "When the request arrived, on the engine's clock"),
+    _required("queue_ms", "float64", "ms", "From arrival to first scheduled"),
+    _required("ttft_ms", "float64", "ms", "Time to first token, from arrival"),
+    Column("tpot_ms", "float64", "ms", "Mean time per output token after the first; null for a one-token output"),
+    _required("itl_ms", "list<float64>", "ms", "The output_len - 1 gaps between tokens; [] for a one-token output"),
+    _required("e2el_ms", "float64", "ms", "End-to-end latency, from arrival to the last token"),
+    _required("prompt_len", "int64", "tokens", "Prompt tokens of the request"),
+    _required("output_len", "int64", "tokens", "Tokens generated for the request"),
+    _required("prefix_hit_tokens", "int64", "tokens", "Prompt tokens whose KV came from the prefix cache"),
+    _required("preemptions", "int64", "", "Times the request was preempted (its KV freed, recomputed later)"),
+)
+
+_POOL_COUNTS = (  # the scheduler's output after this iteration's allocation
+    ("num_running", "", "Requests running this iteration"),
+    ("num_waiting", "", "Requests waiting (arrived, not scheduled)"),
+    ("num_prefill_tokens", "tokens", "Prompt tokens this iteration's forward prefilled"),
+    ("num_decode_tokens", "tokens", "Tokens this iteration's forward decoded"),
+    ("num_preempted", "", "Requests preempted this iteration"),
+    ("kv_used_blocks", "blocks", "KV pool blocks held by requests"),
+    ("kv_free_blocks", "blocks", "KV pool blocks free"),
+    ("kv_cached_blocks", "blocks", "KV pool blocks held by the prefix cache alone (reusable, evictable)"),
+    ("kv_live_tokens", "tokens", "Tokens whose KV the running requests hold"),
+    ("kv_allocated_tokens", "tokens", "Token slots of the blocks allocated (live tokens plus the blocks' unused tail)"),
+)
+# One row per scheduler iteration: rows.iteration_row's keys, plus run_id.
+ITERATION_COLUMNS: tuple[Column, ...] = (
+    _required("run_id", "string", "", "The serving run (its folder's name)"),
+    _required("iteration", "int64", "", "The iteration's index, from 0"),
+    _required("time_s", "float64", "s", "When the iteration was scheduled, on the engine's clock"),
+    _required("step_ms", "float64", "ms", "The iteration's forward"),
+    _required("scheduler_ms", "float64", "ms", "Host time of the iteration's schedule() and update()"),
+    *(_required(name, "int64", unit, description) for name, unit, description in _POOL_COUNTS),
+    Column("kv_live_bytes", "float64", "bytes", "kv_live_tokens at the pool's format, scales included; null: unknown"),
+    Column(
+        "kv_allocated_bytes",
+        "float64",
+        "bytes",
+        "kv_allocated_tokens at the pool's format, scales included; null: unknown",
+    ),
+)
+
+# The run row: metrics.run_metrics' keys, plus run_id and config_json, then what the run was (RUN_CONTEXT), so that
+# runs compare without parsing config_json. Its p<P>_<metric>_ms columns follow the percentiles the run asked for,
+# so they are added per row (float64, nullable: rows.run_schema) rather than fixed here.
+RUN_COLUMNS: tuple[Column, ...] = (
+    _required("run_id", "string", "", "The serving run (its folder's name)"),
+    _required("config_json", "string", "", "The run's config as JSON"),
+    _required("duration_s", "float64", "s", "From the first arrival to the last request finished"),
+    _required("completed", "int64", "", "Requests finished"),
+    _required("total_input_tokens", "int64", "tokens", "Prompt tokens of the finished requests"),
+    _required("total_output_tokens", "int64", "tokens", "Tokens generated for the finished requests"),
+    _required("request_throughput", "float64", "req/s", "completed / duration_s"),
+    _required("request_goodput", "float64", "req/s", "Requests within every SLO set, per second"),
+    *(
+        Column(f"{m}_slo_ms", "float64", "ms", f"The run's {m.upper()} SLO; null: none")
+        for m in ("ttft", "tpot", "e2el")
+    ),
+    _required("output_throughput", "float64", "tok/s", "total_output_tokens / duration_s"),
+    _required("total_token_throughput", "float64", "tok/s", "(total_input_tokens + total_output_tokens) / duration_s"),
+    *(
+        Column(f"{s}_{m}_ms", "float64", "ms", f"{s} {_LATENCY_NAMES[m]} over the run's requests; null: no sample")
+        for m in LATENCY_METRICS
+        for s in ("mean", "median", "std")
+    ),
+    _required("max_concurrent_requests", "int64", "", "Most requests in flight at once, queueing included"),
+    _required("max_running_requests", "int64", "", "Most requests running at once (first scheduled to finished)"),
+    _required("total_preemptions", "int64", "", "Preemptions over the run"),
+    _required("prefix_hit_rate", "float64", "", "Prompt tokens served from the prefix cache / all prompt tokens"),
+    _required("sweep_id", "string", "", "The sweep the run belongs to (the runs of one -m sweep); a single run's own"),
+    _required("engine", "string", "", "kvbench, or the peer (transformers)"),
+    _required("strategy", "string", "", "KV-cache strategy name"),
+    _required("kv_dtype", "string", "", "Storage dtype of the KV pool"),
+    _required("model", "string", "", "Model preset name"),
+    _required("device", "string", "", "cpu or cuda"),
+    _required("qps", "float64", "req/s", "Arrival rate; inf: every request at t = 0"),
+    _required("num_blocks", "int64", "blocks", "Blocks of the KV pool"),
+    _required("block_size", "int64", "tokens", "Tokens per block"),
+    _required("kv_budget_bytes", "int64", "bytes", "The KV budget the pool was sized from"),
+    Column(
+        "max_num_seqs",
+        "int64",
+        "",
+        "Scheduler cap on running requests; null: a row written before it was recorded (config_json holds it)",
+    ),
+    Column(
+        "max_num_batched_tokens",
+        "int64",
+        "tokens",
+        "Scheduler cap on tokens per iteration; null: a row written before it was recorded (config_json holds it)",
+    ),
+    Column("num_iterations", "int64", "", "Scheduler iterations; null: an engine that does not say (the peer)"),
+    Column(
+        "predicted_max_running",
+        "int64",
+        "",
+        "The planner's concurrency for the pool (harness.serve.capacity.predict_concurrency); null: no prediction",
+    ),
+    Column("mean_kv_utilization", "float64", "", "Used / all blocks, mean over iterations"),
+    Column("peak_kv_utilization", "float64", "", "Used / all blocks, at the fullest iteration"),
+    Column("mean_step_ms", "float64", "ms", "Per iteration: the forward, host clock"),
+    Column("mean_scheduler_ms", "float64", "ms", "Per iteration: schedule() and update(), host clock"),
+)
+
+# A sweep's knee per curve (harness.serve.fleet.knees); every column nullable: a curve without a knee has nulls.
+KNEE_ROW_COLUMNS: tuple[Column, ...] = (
+    Column("sweep_id", "string", "", "The sweep"),
+    Column("strategy", "string", "", "KV-cache strategy name (the curve's)"),
+    Column("kv_dtype", "string", "", "Storage dtype of the KV pool (the curve's)"),
+    Column("engine", "string", "", "kvbench or the peer (the curve's)"),
+    Column("status", "string", "", "knee, not_reached, below_lowest or no_points (harness.serve.fleet.KNEE_STATUSES)"),
+    Column("num_points", "int64", "", "Runs at a finite qps"),
+    Column("min_qps", "float64", "req/s", "Lowest arrival rate of the curve"),
+    Column("max_qps", "float64", "req/s", "Highest arrival rate of the curve"),
+    Column("ttft_slo_ms", "float64", "ms", "The TTFT SLO the knee is found under"),
+    Column("knee_qps", "float64", "req/s", "Measured: the highest qps whose p99 TTFT stays within the SLO"),
+    Column("knee_p99_ttft_ms", "float64", "ms", "The knee run's p99 TTFT"),
+    Column("knee_request_throughput", "float64", "req/s", "The knee run's request_throughput"),
+    Column("knee_output_throughput", "float64", "tok/s", "The knee run's output_throughput"),
+    Column("knee_mean_e2el_ms", "float64", "ms", "The knee run's mean end-to-end latency"),
+    Column("knee_max_concurrent_requests", "int64", "", "The knee run's most requests in flight, queueing included"),
+    Column("knee_max_running_requests", "int64", "", "The knee run's most requests running at once"),
+)
+# The fleet table: the knees, and the fleet that serves target_qps from each (harness.serve.fleet.fleet).
+FLEET_COLUMNS: tuple[Column, ...] = KNEE_ROW_COLUMNS + (
+    Column("target_qps", "float64", "req/s", "The rate the fleet serves"),
+    Column("replicas", "int64", "", "Measured: ceil(target_qps / knee_qps)"),
+    Column("predicted_concurrency", "float64", "", "Little's law: target_qps x the knee run's mean E2E latency"),
+    Column("predicted_concurrency_per_replica", "float64", "", "predicted_concurrency / replicas"),
+)
