@@ -152,14 +152,14 @@ def point_bytes(cfg: RunConfig) -> int:
     if cfg.accuracy and is_lossy(cfg):
         exact = workload.replace(cache={"name": EXACT_REFERENCE}, kv_dtype="auto")
         logits = 2 * cfg.batch_size * cfg.gen_len * workload.model_args().vocab_size * 4
-        need += exact.layout().allocation(exact).total_bytes + logits
+        need += exact.layout().allocation(exact.kv_shape()).total_bytes + logits
     return need
 
 
 def point_fits(cfg: RunConfig, *, memory_gb: float) -> bool:
     """Whether the point fits memory_gb decimal GB (and its KV pool holds the batch)."""
     workload = cfg.workload()
-    return workload.layout().pool_fits(workload) and point_bytes(cfg) <= memory_gb * 1e9
+    return workload.layout().pool_fits(workload.kv_shape()) and point_bytes(cfg) <= memory_gb * 1e9
 
 
 # --- presets and their sweeps --------------------------------------------------------------------------------------

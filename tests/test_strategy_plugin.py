@@ -112,11 +112,11 @@ class LastKCache(kv.KVCache):
 
 
 class LastKLayout(Layout):
-    def allocation(self, w) -> KVAllocation:
+    def allocation(self, shape) -> KVAllocation:
         """kv [L, K|V, B, H_kv, max_tokens + headroom, D] at the plain format."""
-        args, slots = w.model_args(), w.max_tokens + self.options.headroom
-        per_slot = args.n_kv_heads * args.head_dim * DTYPE_BYTES[w.kv_dtype_name]
-        return KVAllocation(args.n_layers * 2 * w.batch_size * slots * per_slot)
+        args, slots = shape.model, shape.max_tokens + self.options.headroom
+        per_slot = args.n_kv_heads * args.head_dim * DTYPE_BYTES[shape.kv_dtype]
+        return KVAllocation(args.n_layers * 2 * shape.batch_size * slots * per_slot)
 
     def keys_attended(self, n_keys: float) -> float:
         return min(n_keys, self.options.keep)
@@ -124,8 +124,8 @@ class LastKLayout(Layout):
     def comparable_columns(self) -> tuple[str, ...]:
         return ("headroom",)  # memory depends on the headroom; `keep` changes only what is read
 
-    def check(self, w) -> None:
-        if w.kv_dtype_name in QUANTIZED:
+    def check(self, shape) -> None:
+        if shape.kv_dtype in QUANTIZED:
             raise ConfigError(f"kv_dtype: {self.name} stores plain dtypes only; allowed: {', '.join(PLAIN)}")
 
 
@@ -161,7 +161,7 @@ def test_the_planner_predicts_its_allocation_as_its_cache_reports_it_after_a_gen
         model="tiny", dtype="fp32", cache={"name": NAME, **options}, batch_size=batch, prompt_len=prompt_len,
         gen_len=gen_len,
     )  # fmt: skip
-    assert workload.layout().allocation(workload).total_bytes == cache.kv_bytes_allocated()
+    assert workload.layout().allocation(workload.kv_shape()).total_bytes == cache.kv_bytes_allocated()
     assert planner.kv_bytes_allocated(
         "tiny", cache=NAME, kv_dtype="fp32", dtype="fp32", batch_size=batch, prompt_len=prompt_len, gen_len=gen_len,
         **options,
