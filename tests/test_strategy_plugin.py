@@ -173,7 +173,8 @@ def test_the_planner_predicts_its_allocation_as_its_cache_reports_it_after_a_gen
 def test_the_roofline_reads_the_keys_its_layout_says_a_query_attends():
     args = ModelArgs.from_name("tiny")
     layout = kv.layout(NAME, {"keep": 8})
-    step = decode_step_cost(args, batch_size=2, context_len=100, dtype="bf16", kv_dtype="bf16", layout=layout)
+    shape = kv.KVShape(model=args, batch_size=2, dtype="bf16", kv_dtype="bf16")
+    step = decode_step_cost(shape, context_len=100, layout=layout)
     assert step.kv_read_bytes == 2 * 8 * kv_bytes_per_token_read(args, "bf16")  # 8 keys, not 100
     workload = Workload(model="tiny", cache={"name": NAME, "keep": 8}, batch_size=2, prompt_len=90, gen_len=20)
     dense = Workload(model="tiny", batch_size=2, prompt_len=90, gen_len=20)

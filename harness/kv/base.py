@@ -333,7 +333,9 @@ class Layout:
         args = shape.model
         lead = args.n_layers * shape.batch_size * args.cache_heads
         data = lead * args.cache_sides * shape.max_tokens * data_row_bytes(shape)
-        scales = sum(lead * blocks_for(shape.max_tokens, tokens) * width * SCALE_BYTES for tokens, width in scale_parts(shape))
+        scales = sum(
+            lead * blocks_for(shape.max_tokens, tokens) * width * SCALE_BYTES for tokens, width in scale_parts(shape)
+        )
         return KVAllocation(data, scale_bytes=scales, tail_bytes=int4_tail_bytes(shape))
 
     def pool_fits(self, shape: KVShape) -> bool:

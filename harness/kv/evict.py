@@ -308,7 +308,9 @@ class EvictLayout(Layout):
         (2 sides at the compute dtype), beside the policy's fp32 probabilities (an estimate: logits and softmax)."""
         args, budget = shape.model, self.options.budget
         new, b = n_seqs * n_new * args.kv_dim, DTYPE_BYTES[shape.dtype]
-        write, read_peak, read_result = codec_transients(shape, new=new, keys=n_seqs * min(n_keys, budget) * args.kv_dim)
+        write, read_peak, read_result = codec_transients(
+            shape, new=new, keys=n_seqs * min(n_keys, budget) * args.kv_dim
+        )
         rows = {"h2o": n_new, "snapkv": min(self.options.window, n_new) if n_new > 1 else 0}.get(self.options.policy, 0)
         probs = 3 * min(n_seqs * args.n_heads * rows * n_keys * 4, SCORE_CHUNK_BYTES)  # logits, masked, softmax
         if n_new > 1 and n_keys > budget:

@@ -25,7 +25,6 @@ class KVAllocation:
         return self.data_bytes + self.scale_bytes + self.tail_bytes
 
 
-
 def cache_width(shape: KVShape) -> int:
     """Values one side (K, V, or MLA's latent row) of one token holds in one layer: H_kv x D; MLA 1 x (kv_lora_rank
     + qk_rope_head_dim), the cache geometry of harness.model_args.ModelArgs (cache_heads, cache_head_dim)."""
@@ -64,7 +63,9 @@ def int4_tail_bytes(shape: KVShape) -> int:
     capacity = min(shape.kv_residual + shape.kv_group_size - 1, shape.max_tokens)
     if args.cache_sides == 2:
         capacity += min(shape.kv_residual, shape.max_tokens)
-    return args.n_layers * shape.batch_size * args.cache_heads * capacity * args.cache_head_dim * DTYPE_BYTES[shape.dtype]
+    return (
+        args.n_layers * shape.batch_size * args.cache_heads * capacity * args.cache_head_dim * DTYPE_BYTES[shape.dtype]
+    )
 
 
 def codec_transients(shape: KVShape, *, new: int, keys: int, gathered: int = 0) -> tuple[int, int, int]:

@@ -334,7 +334,9 @@ class PrefixLayout(PagedLayout):
     stores_latent: ClassVar[bool] = False  # paged storage, but MLA runs were scoped to contiguous and paged only
 
     def prefix_tokens(self, shape) -> int:
-        unit = shared_unit(block_size=self.options.block_size, kv_dtype=shape.kv_dtype, kv_group_size=shape.kv_group_size)
+        unit = shared_unit(
+            block_size=self.options.block_size, kv_dtype=shape.kv_dtype, kv_group_size=shape.kv_group_size
+        )
         return shared_tokens(prefix_len=shape.prefix_len, prompt_len=shape.prompt_len, unit=unit)
 
     def shared_blocks(self, shape) -> int:
