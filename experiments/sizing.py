@@ -96,15 +96,15 @@ def step_seconds(cost: roofline.StepCost, *, gpu: Gpu, dtype: str, n_layers: int
 
 def generation_seconds(cfg: RunConfig, *, gpu: Gpu) -> float:
     """One whole generation of the point: its prefill, then its gen_len - 1 decode steps (harness.decode)."""
-    args = cfg.model_args()
+    shape = cfg.kv_shape()
     # The strategy's own reads (its layout: a window caps them, `none` recomputes), as harness.run.bench asks them.
-    shape = dict(dtype=cfg.dtype, kv_dtype=cfg.kv_dtype_name, layout=cfg.layout(), kv_group_size=cfg.kv_group_size)
-    costs = [roofline.prefill_cost(args, batch_size=cfg.batch_size, prompt_len=cfg.prompt_len, **shape)]
+    layout = cfg.layout()
+    costs = [roofline.prefill_cost(shape, layout=layout)]
     costs += [
-        roofline.decode_step_cost(args, batch_size=cfg.batch_size, context_len=context, **shape)
+        roofline.decode_step_cost(shape, context_len=context, layout=layout)
         for context in roofline.decode_contexts(cfg.prompt_len, cfg.gen_len)
     ]
-    return sum(step_seconds(cost, gpu=gpu, dtype=cfg.dtype, n_layers=args.n_layers) for cost in costs)
+    return sum(step_seconds(cost, gpu=gpu, dtype=cfg.dtype, n_layers=shape.model.n_layers) for cost in costs)
 
 
 def point_seconds(cfg: RunConfig, *, gpu: Gpu) -> float:
@@ -152,14 +152,14 @@ def point_bytes(cfg: RunConfig) -> int:
     if cfg.accuracy and is_lossy(cfg):
         exact = workload.replace(cache={"name": EXACT_REFERENCE}, kv_dtype="auto")
         logits = 2 * cfg.batch_size * cfg.gen_len * workload.model_args().vocab_size * 4
-        need += exact.layout().allocation(exact).total_bytes + logits
+        need += exact.layout().allocation(exact.kv_shape()).total_bytes + logits
     return need
 
 
 def point_fits(cfg: RunConfig, *, memory_gb: float) -> bool:
     """Whether the point fits memory_gb decimal GB (and its KV pool holds the batch)."""
     workload = cfg.workload()
-    return workload.layout().pool_fits(workload) and point_bytes(cfg) <= memory_gb * 1e9
+    return workload.layout().pool_fits(workload.kv_shape()) and point_bytes(cfg) <= memory_gb * 1e9
 
 
 # --- presets and their sweeps --------------------------------------------------------------------------------------

@@ -133,7 +133,7 @@ class Workload:
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
         self.validate_workload()
-        self.layout().check(self)
+        self.layout().check(self.kv_shape())
 
     def validate_workload(self) -> None:
         """The checks every workload passes, planned or measured."""
@@ -183,6 +183,22 @@ class Workload:
     def layout(self) -> "kv.Layout":
         """What this workload's strategy knows about it without building it (harness.kv.base.Layout)."""
         return kv.layout(self.cache["name"], self.cache_options)
+
+    def kv_shape(self) -> kv.KVShape:
+        """What the strategy's layout and the roofline know of this workload (harness.kv.shape), kv_dtype resolved."""
+        return kv.KVShape(
+            model=self.model_args(),
+            dtype=self.dtype,
+            kv_dtype=self.kv_dtype_name,
+            batch_size=self.batch_size,
+            prompt_len=self.prompt_len,
+            gen_len=self.gen_len,
+            kv_group_size=self.kv_group_size,
+            kv_residual=self.kv_residual,
+            prefix_len=self.prefix_len,
+            attn_impl=self.attn_impl,
+            mla_path=self.mla_path,
+        )
 
     def model_args(self) -> ModelArgs:
         if not isinstance(self.model, ModelConfig):

@@ -18,6 +18,7 @@ import math
 import pandas as pd
 
 from harness import ceilings as ceilings_module
+from harness.kv.shape import KVShape
 from harness.model_args import ModelArgs
 from harness.roofline import prefill_cost
 
@@ -34,8 +35,8 @@ def predicted_compute_ms(args: ModelArgs, *, n_tokens: int, dtype: str, kv_dtype
     read, and loading would always win below some length). The FLOPs are the difference between prefilling one
     token after the prefix computed and after it cached (harness.roofline.prefill_cost): its tokens' matmuls and
     the attention over them, never the LM head."""
-    shape = dict(batch_size=1, prompt_len=n_tokens + 1, dtype=dtype, kv_dtype=kv_dtype)
-    flops = prefill_cost(args, **shape).flops - prefill_cost(args, prefix_cached=n_tokens, **shape).flops
+    shape = KVShape(model=args, dtype=dtype, kv_dtype=kv_dtype, batch_size=1, prompt_len=n_tokens + 1)
+    flops = prefill_cost(shape).flops - prefill_cost(shape, prefix_cached=n_tokens).flops
     return flops / (peak_tflops * 1e12) * 1e3
 
 

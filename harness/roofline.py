@@ -82,6 +82,7 @@ Llama-3.1-8B in bf16), is far below any GPU's ridge.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
@@ -91,6 +92,7 @@ from harness.formats import ATTN_IMPLS, BITS, PLAIN, SCALE_BYTES
 from harness.kv.base import Layout
 
 if TYPE_CHECKING:
+    from harness.kv.shape import KVShape
     from harness.model_args import ModelArgs
 
 # What a strategy without its own answer reads: every key before the query, from a cache (harness.kv.base.Layout).
@@ -239,20 +241,9 @@ def _check(batch_size: int) -> None:
 # --- one step --------------------------------------------------------------------------------------------------------
 
 
-def prefill_cost(
-    args: ModelArgs,
-    *,
-    batch_size: int,
-    prompt_len: int,
-    dtype: str,
-    kv_dtype: str,
-    layout: Layout = DENSE,
-    prefix_cached: int = 0,
-    kv_group_size: int = 32,
-    attn_impl: str = "sdpa",
-    mla_path: str = "absorbed",
-) -> StepCost:
-    """The prefill forward of B prompts of prompt_len tokens, of which the first prefix_cached are already cached.
+def prefill_cost(shape: KVShape, *, layout: Layout = DENSE, prefix_cached: int = 0) -> StepCost:
+    """The prefill forward of B prompts of prompt_len tokens (the shape's), of which the first prefix_cached are
+    already cached.
 
     Computed tokens T = prompt_len - prefix_cached per sequence (a prefix hit computes only the suffix):
         flops      B·(T·2·N_layers + pairs·4·L·H·D + 2·dim·V), pairs = Σ_{n = prefix_cached+1}^{prompt_len} min(n, window)
@@ -266,6 +257,8 @@ def prefill_cost(
     prefix_cached must be 0. MLA: a prefill runs decompressed whatever `mla_path` (harness.mla, as vLLM's MLA
     backends): naive's per-pair FLOPs, and every visible key decompressed once (FLOPs, and its K/V as activations).
     """
+    args, batch_size, prompt_len, dtype = shape.model, shape.batch_size, shape.prompt_len, shape.dtype
+    attn_impl, mla_path = shape.attn_impl, shape.mla_path
     _check(batch_size)
     _check_attn_impl(attn_impl)
     if not 0 <= prefix_cached < prompt_len:
@@ -285,7 +278,7 @@ def prefill_cost(
         kv_read = kv_write = 0.0
         recomputed_keys = visible = batch_size * prompt_len
     else:
-        per_token = kv_bytes_per_token_read(args, kv_dtype, kv_group_size)
+        per_token = kv_bytes_per_token_read(args, shape.kv_dtype, shape.kv_group_size)
         first_visible = prefix_cached + 1 - layout.keys_attended(prefix_cached + 1)  # the first query's oldest key
         visible = batch_size * (prompt_len - first_visible)
         kv_read = visible * per_token
@@ -314,19 +307,9 @@ def prefill_cost(
     )
 
 
-def decode_step_cost(
-    args: ModelArgs,
-    *,
-    batch_size: int,
-    context_len: float,
-    dtype: str,
-    kv_dtype: str,
-    layout: Layout = DENSE,
-    kv_group_size: int = 32,
-    attn_impl: str = "sdpa",
-    mla_path: str = "absorbed",
-) -> StepCost:
-    """One decode step of B sequences whose new token attends to context_len keys, itself included.
+def decode_step_cost(shape: KVShape, *, context_len: float, layout: Layout = DENSE) -> StepCost:
+    """One decode step of B sequences whose new token attends to context_len keys, itself included (the shape's
+    own lengths unused).
 
     The token generated at position p (harness.decode: the step fed position p) has context_len = p + 1.
         S_att      layout.keys_attended(context_len): min(context_len, window) for a sliding window
@@ -341,17 +324,15 @@ def decode_step_cost(
     A layout that recomputes (`none`): prefill_cost over context_len tokens (every step recomputes the whole
     sequence so far).
     """
+    args, batch_size, dtype, mla_path = shape.model, shape.batch_size, shape.dtype, shape.mla_path
     _check(batch_size)
-    _check_attn_impl(attn_impl)
+    _check_attn_impl(shape.attn_impl)
     if context_len < 1:
         raise ValueError(f"context_len: must be at least 1 (the new token), got {context_len}")
     if layout.recomputes_prefix:
-        return prefill_cost(
-            args, batch_size=batch_size, prompt_len=round(context_len), dtype=dtype, kv_dtype=kv_dtype, layout=layout,
-            attn_impl=attn_impl, mla_path=mla_path,
-        )  # fmt: skip
+        return prefill_cost(dataclasses.replace(shape, prompt_len=round(context_len)), layout=layout)
     attended = layout.keys_attended(context_len)
-    per_token = kv_bytes_per_token_read(args, kv_dtype, kv_group_size)
+    per_token = kv_bytes_per_token_read(args, shape.kv_dtype, shape.kv_group_size)
     flops = batch_size * (
         _matmul_flops_per_token(args, mla_path)
         + attended * (_attention_flops_per_key(args, mla_path) + _decompress_flops_per_key(args, mla_path))
@@ -373,7 +354,7 @@ def decode_step_cost(
         ),
         score_bytes=(
             batch_size * attended * args.n_layers * args.n_heads * eager_score_bytes_per_pair(dtype, masked=False)
-            if attn_impl == "eager"
+            if shape.attn_impl == "eager"
             else 0.0
         ),
     )
@@ -386,34 +367,9 @@ def decode_contexts(prompt_len: int, gen_len: int) -> range:
     return range(prompt_len + 1, prompt_len + max(gen_len, 2))
 
 
-def mean_decode_cost(
-    args: ModelArgs,
-    *,
-    batch_size: int,
-    prompt_len: int,
-    gen_len: int,
-    dtype: str,
-    kv_dtype: str,
-    layout: Layout = DENSE,
-    kv_group_size: int = 32,
-    attn_impl: str = "sdpa",
-    mla_path: str = "absorbed",
-) -> StepCost:
-    """The mean over the timed decode steps (decode_contexts), the step TPOT measures: exact for every strategy,
-    where evaluating at the mean context would not be under a window cap or `none`'s quadratic attention."""
-    return mean_cost(
-        [
-            decode_step_cost(
-                args,
-                batch_size=batch_size,
-                context_len=context_len,
-                dtype=dtype,
-                kv_dtype=kv_dtype,
-                layout=layout,
-                kv_group_size=kv_group_size,
-                attn_impl=attn_impl,
-                mla_path=mla_path,
-            )
-            for context_len in decode_contexts(prompt_len, gen_len)
-        ]
-    )
+def mean_decode_cost(shape: KVShape, *, layout: Layout = DENSE) -> StepCost:
+    """The mean over the timed decode steps (decode_contexts of the shape's prompt_len and gen_len), the step TPOT
+    measures: exact for every strategy, where evaluating at the mean context would not be under a window cap or
+    `none`'s quadratic attention."""
+    contexts = decode_contexts(shape.prompt_len, shape.gen_len)
+    return mean_cost([decode_step_cost(shape, context_len=context_len, layout=layout) for context_len in contexts])

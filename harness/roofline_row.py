@@ -16,6 +16,7 @@ stale: ceilings_stale.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import fields
 from typing import TYPE_CHECKING
@@ -25,7 +26,7 @@ from harness.roofline import DENSE, StepCost, decode_step_cost, mean_decode_cost
 
 if TYPE_CHECKING:
     from harness.config import Workload
-    from harness.model_args import ModelArgs
+    from harness.kv.shape import KVShape
 
 
 def ridge_point(*, peak_bw_gbps: float, peak_tflops: float) -> float:
@@ -51,18 +52,14 @@ def _critical_batch_from(one: StepCost, two: StepCost, ridge: float) -> int | No
     return batch
 
 
+def _at_batches(shape: KVShape, *, context_len: float, layout: Layout) -> tuple[StepCost, StepCost]:
+    """The decode step at context_len of one sequence and of two: a step's cost is affine in B."""
+    one, two = (dataclasses.replace(shape, batch_size=batch_size) for batch_size in (1, 2))
+    return tuple(decode_step_cost(s, context_len=context_len, layout=layout) for s in (one, two))
+
+
 def critical_batch(
-    args: ModelArgs,
-    *,
-    context_len: float,
-    dtype: str,
-    kv_dtype: str,
-    peak_bw_gbps: float,
-    peak_tflops: float,
-    layout: Layout = DENSE,
-    kv_group_size: int = 32,
-    attn_impl: str = "sdpa",
-    mla_path: str = "absorbed",
+    shape: KVShape, *, context_len: float, peak_bw_gbps: float, peak_tflops: float, layout: Layout = DENSE
 ) -> int | None:
     """B*: the smallest batch whose decode step at context_len reaches the ridge point; None if no batch does.
 
@@ -71,35 +68,11 @@ def critical_batch(
         B* = ridge·W / (f - ridge·b),   None when f <= ridge·b (the context is past critical_context).
     With b = 0 and bf16 weights this is ≈ the ridge point itself, the JAX scaling book's B ≈ 240-300.
     """
-    costs = [
-        decode_step_cost(
-            args,
-            batch_size=batch_size,
-            context_len=context_len,
-            dtype=dtype,
-            kv_dtype=kv_dtype,
-            layout=layout,
-            kv_group_size=kv_group_size,
-            attn_impl=attn_impl,
-            mla_path=mla_path,
-        )
-        for batch_size in (1, 2)
-    ]
+    costs = _at_batches(shape, context_len=context_len, layout=layout)  # the shape's batch_size unused
     return _critical_batch_from(*costs, ridge=ridge_point(peak_bw_gbps=peak_bw_gbps, peak_tflops=peak_tflops))
 
 
-def critical_context(
-    args: ModelArgs,
-    *,
-    dtype: str,
-    kv_dtype: str,
-    peak_bw_gbps: float,
-    peak_tflops: float,
-    layout: Layout = DENSE,
-    kv_group_size: int = 32,
-    attn_impl: str = "sdpa",
-    mla_path: str = "absorbed",
-) -> float:
+def critical_context(shape: KVShape, *, peak_bw_gbps: float, peak_tflops: float, layout: Layout = DENSE) -> float:
     """S*: the context beyond which decode cannot reach the ridge point at any batch; math.inf if it never binds.
 
     As B → ∞ the intensity tends to a sequence's own f(S) / b(S) = (f0 + a·S) / (b0 + k·S): f0 the matmul and
@@ -114,20 +87,7 @@ def critical_context(
     ridge = ridge_point(peak_bw_gbps=peak_bw_gbps, peak_tflops=peak_tflops)
 
     def per_sequence(context_len: int) -> StepCost:
-        one, two = (
-            decode_step_cost(
-                args,
-                batch_size=batch_size,
-                context_len=context_len,
-                dtype=dtype,
-                kv_dtype=kv_dtype,
-                layout=layout,
-                kv_group_size=kv_group_size,
-                attn_impl=attn_impl,
-                mla_path=mla_path,
-            )
-            for batch_size in (1, 2)
-        )
+        one, two = _at_batches(shape, context_len=context_len, layout=layout)
         return StepCost(*(getattr(two, f.name) - getattr(one, f.name) for f in fields(StepCost)))
 
     at_1, at_2 = per_sequence(1), per_sequence(2)
@@ -174,18 +134,9 @@ def roofline_columns(
         peak_bw_gbps, peak_tflops          the ceilings, as given
     Columns that need tpot_ms or the peaks are None when those are missing (None, NaN or 0).
     """
-    args, layout, batch_size, prompt_len, gen_len = w.model_args(), w.layout(), w.batch_size, w.prompt_len, w.gen_len
-    shape = dict(
-        dtype=w.dtype,
-        kv_dtype=w.kv_dtype_name,
-        layout=layout,
-        kv_group_size=w.kv_group_size,
-        attn_impl=w.attn_impl,
-        mla_path=getattr(w, "mla_path", "absorbed"),  # MLA's decode path (harness.roofline_mla)
-    )
-    decode = mean_decode_cost(args, batch_size=batch_size, prompt_len=prompt_len, gen_len=gen_len, **shape)
-    cached = layout.prefix_tokens(w)
-    prefill = prefill_cost(args, batch_size=batch_size, prompt_len=prompt_len, prefix_cached=cached, **shape)
+    shape, layout = w.kv_shape(), w.layout()
+    decode = mean_decode_cost(shape, layout=layout)
+    prefill = prefill_cost(shape, layout=layout, prefix_cached=layout.prefix_tokens(shape))
     columns: dict[str, float | int | str | None] = {
         "flops_per_step": decode.flops,
         "bytes_per_step": decode.bytes,
@@ -212,11 +163,12 @@ def roofline_columns(
     if not peaks:
         return columns | dict.fromkeys(("bound", "predicted_tpot_ms", "critical_batch", "critical_context"))
     ridge = ridge_point(peak_bw_gbps=peak_bw_gbps, peak_tflops=peak_tflops)
-    decode_two = mean_decode_cost(args, batch_size=2, prompt_len=prompt_len, gen_len=gen_len, **shape)
-    decode_one = mean_decode_cost(args, batch_size=1, prompt_len=prompt_len, gen_len=gen_len, **shape)
+    decode_one, decode_two = (
+        mean_decode_cost(dataclasses.replace(shape, batch_size=batch_size), layout=layout) for batch_size in (1, 2)
+    )
     return columns | {
         "bound": "compute" if decode.arithmetic_intensity >= ridge else "memory",
         "predicted_tpot_ms": max(decode.flops / (peak_tflops * 1e12), decode.bytes / (peak_bw_gbps * 1e9)) * 1e3,
         "critical_batch": _critical_batch_from(decode_one, decode_two, ridge),
-        "critical_context": critical_context(args, peak_bw_gbps=peak_bw_gbps, peak_tflops=peak_tflops, **shape),
+        "critical_context": critical_context(shape, peak_bw_gbps=peak_bw_gbps, peak_tflops=peak_tflops, layout=layout),
     }

@@ -12,6 +12,7 @@ import torch
 from harness import kv, profile
 from harness.config import ConfigError, RunConfig, Workload
 from harness.kv.base import CacheSpec, attention
+from harness.kv.shape import KVShape
 from harness.model import build_model
 from harness.model_args import ModelArgs
 from harness.plan import activations
@@ -90,13 +91,13 @@ def test_the_planner_predicts_eager_prefill_quadratic_and_sdpa_linear():
 
 def test_the_roofline_counts_eager_score_traffic_and_sdpa_none():
     args = ModelArgs.from_name("small")
-    shape = dict(batch_size=2, context_len=1000, dtype="bf16", kv_dtype="bf16")
-    fused, eager = (decode_step_cost(args, **shape, attn_impl=impl) for impl in ("sdpa", "eager"))
+    shape = dict(model=args, batch_size=2, dtype="bf16", kv_dtype="bf16")
+    fused, eager = (decode_step_cost(KVShape(**shape, attn_impl=impl), context_len=1000) for impl in ("sdpa", "eager"))
     assert fused.score_bytes == 0
     assert eager.score_bytes == 2 * 1000 * args.n_layers * args.n_heads * 16  # bf16: 2+2+4+4+2+2 bytes a pair
     assert eager.bytes - fused.bytes == eager.score_bytes and eager.flops == fused.flops
     assert eager_score_bytes_per_pair("fp32", masked=False) == 16  # scores written and read twice, no cast
-    prefill = {impl: prefill_cost(args, batch_size=1, prompt_len=512, dtype="bf16", kv_dtype="bf16", attn_impl=impl)
+    prefill = {impl: prefill_cost(KVShape(model=args, prompt_len=512, dtype="bf16", kv_dtype="bf16", attn_impl=impl))
                for impl in ("sdpa", "eager")}  # fmt: skip
     # Eager computes the whole [T, S] rectangle, the masked half included: twice the causal pairs, roughly.
     attention_flops = {impl: cost.flops - prefill["sdpa"].flops for impl, cost in prefill.items()}

@@ -89,6 +89,51 @@ def test_the_name_scan_finds_a_name_compared_every_way(tmp_path):
     assert [line.split(": ", 1)[0] for line in found] == [f"dashboard/chart.py:{i + 1}" for i in range(4)]
 
 
+# What harness/kv/ may import of the harness (issue #28 item 4): itself and the torch-free leaves below it. Any other
+# module is above it (harness.config imports harness.kv), so importing one, even for types, inverts the layering.
+# harness.store.atomic is the one atomic writer (harness.kv.block_file's files), a leaf like the others.
+BELOW_KV = {"harness.errors", "harness.formats", "harness.model_args", "harness.store.atomic"}
+
+
+def harness_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every harness module the file imports, anywhere in it: TYPE_CHECKING blocks and function
+    bodies included. `from harness import kv` imports harness.kv."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "harness":
+                found += [(node.lineno, f"harness.{alias.name}") for alias in node.names]
+            else:
+                found.append((node.lineno, node.module))
+    return [(line, module) for line, module in found if module == "harness" or module.startswith("harness.")]
+
+
+def test_harness_kv_imports_nothing_above_it_not_even_for_types():
+    above = [
+        f"{path.relative_to(ROOT)}:{line}: {module}"
+        for path in sorted((ROOT / "harness" / "kv").glob("*.py"))
+        for line, module in harness_imports(path)
+        if not (module == "harness.kv" or module.startswith("harness.kv.") or module in BELOW_KV)
+    ]
+    assert not above, "harness/kv/ imports a module above it (pass it a KVShape instead):\n" + "\n".join(above)
+
+
+@pytest.mark.parametrize("module", sorted(BELOW_KV))
+def test_what_harness_kv_may_import_imports_no_harness_module(module):
+    path = ROOT / Path(*module.split(".")).with_suffix(".py")
+    assert harness_imports(path) == []
+
+
+def test_the_import_scan_sees_type_checking_blocks_and_from_harness_imports(tmp_path):
+    code = (
+        "from typing import TYPE_CHECKING\nfrom harness import kv, plan\nif TYPE_CHECKING:\n    import harness.config\n"
+    )
+    (tmp_path / "m.py").write_text(code)
+    assert harness_imports(tmp_path / "m.py") == [(2, "harness.kv"), (2, "harness.plan"), (4, "harness.config")]
+
+
 def test_no_caller_outside_the_strategies_probes_a_cache_with_getattr_or_hasattr():
     probes = [
         f"{path.relative_to(ROOT)}:{number}: {line.strip()}"

@@ -57,7 +57,7 @@ def test_each_layout_allocates_one_latent_row_per_token_and_layer(cache):
 
 def test_an_fp8_latent_allocates_one_scale_per_token_and_layer():
     w = Workload(model={"name": "deepseek-v2-lite"}, kv_dtype="fp8_e4m3", batch_size=2, prompt_len=100, gen_len=4)
-    allocation = w.layout().allocation(w)
+    allocation = w.layout().allocation(w.kv_shape())
     assert allocation.data_bytes == 2 * 104 * 27 * LATENT_ROW
     assert allocation.scale_bytes == 2 * 104 * 27 * 4
 
@@ -65,13 +65,13 @@ def test_an_fp8_latent_allocates_one_scale_per_token_and_layer():
 def test_an_int4_latent_keeps_a_tail_for_its_key_groups_only():
     """Keys wait for a whole group of 32 (residual + 31 tokens); MLA has no separate values to wait for."""
     w = Workload(model={"name": "deepseek-v2-lite"}, kv_dtype="int4", kv_residual=16, prompt_len=200, gen_len=8)
-    assert w.layout().allocation(w).tail_bytes == 27 * 1 * (16 + 31) * LATENT_ROW * 2
+    assert w.layout().allocation(w.kv_shape()).tail_bytes == 27 * 1 * (16 + 31) * LATENT_ROW * 2
 
 
 def test_a_latent_read_back_decodes_one_side():
     """fp8 read back: the row's values decoded to the compute dtype, not K and V."""
     w = Workload(model={"name": "deepseek-v2-lite"}, kv_dtype="fp8_e4m3", prompt_len=100, gen_len=4)
-    _, _, result = w.layout().transients(w, n_seqs=2, n_new=1, n_keys=100)
+    _, _, result = w.layout().transients(w.kv_shape(), n_seqs=2, n_new=1, n_keys=100)
     assert result == 2 * 100 * LATENT_ROW * 2
 
 

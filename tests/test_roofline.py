@@ -13,8 +13,9 @@ import torch
 from harness import ceilings, kv
 from harness.config import RunConfig, Workload
 from harness.kv.base import CacheSpec
+from harness.kv.shape import KVShape
 from harness.model_args import ModelArgs
-from harness.roofline import decode_step_cost, kv_bytes_per_token_read, mean_decode_cost, prefill_cost
+from harness.roofline import DENSE, decode_step_cost, kv_bytes_per_token_read, mean_decode_cost, prefill_cost
 from harness.roofline_row import critical_batch, critical_context, ridge_point, roofline_columns
 from harness.run import bench
 
@@ -48,8 +49,13 @@ LLAMA_2_7B = dict(
 )
 
 
-def decode(args: ModelArgs, batch_size: int = 1, context_len: int = 1024, **overrides):
-    return decode_step_cost(args, batch_size=batch_size, context_len=context_len, **(BF16 | overrides))
+def shaped(args: ModelArgs, **fields) -> KVShape:
+    """The roofline's shape of args, bf16 unless `fields` say otherwise."""
+    return KVShape(model=args, **(BF16 | fields))
+
+
+def decode(args: ModelArgs, batch_size: int = 1, context_len: int = 1024, layout=DENSE, **fields):
+    return decode_step_cost(shaped(args, batch_size=batch_size, **fields), context_len=context_len, layout=layout)
 
 
 @pytest.mark.parametrize("preset, hand", [("llama-3.1-8b", LLAMA_31_8B), ("llama-2-7b", LLAMA_2_7B)])
@@ -130,7 +136,7 @@ def test_none_reads_no_kv_and_its_flops_grow_with_the_context():
     assert (
         long.flops > 2 * short.flops - decode(args, context_len=1, layout=kv.layout("none", {})).flops
     )  # superlinear: O(S²)
-    assert short == prefill_cost(args, batch_size=1, prompt_len=1024, layout=kv.layout("none", {}), **BF16)
+    assert short == prefill_cost(shaped(args, batch_size=1, prompt_len=1024), layout=kv.layout("none", {}))
     assert short.flops > 500 * decode(args, context_len=1024).flops  # a cache saves ~S times the matmuls
 
 
@@ -143,8 +149,8 @@ def test_quantized_kv_reads_a_fraction_of_bf16_plus_scales(kv_dtype, ratio):
 
 def test_a_prefix_hit_computes_only_the_suffix_but_reads_the_whole_prefix_for_every_sequence():
     args = ModelArgs.from_name("llama-3.1-8b")
-    miss = prefill_cost(args, batch_size=4, prompt_len=1024, layout=kv.layout("prefix", {}), **BF16)
-    hit = prefill_cost(args, batch_size=4, prompt_len=1024, layout=kv.layout("prefix", {}), prefix_cached=768, **BF16)
+    miss = prefill_cost(shaped(args, batch_size=4, prompt_len=1024), layout=kv.layout("prefix", {}))
+    hit = prefill_cost(shaped(args, batch_size=4, prompt_len=1024), layout=kv.layout("prefix", {}), prefix_cached=768)
     assert hit.kv_read_bytes == miss.kv_read_bytes == 4 * 1024 * kv_bytes_per_token_read(args, "bf16")
     assert hit.kv_write_bytes == miss.kv_write_bytes / 4
     assert hit.flops < miss.flops / 3
@@ -154,7 +160,7 @@ def test_a_window_caps_the_keys_each_prefill_query_sees():
     """10 queries: 1 + 2 + ... + 10 = 55 causal pairs, 1 + 2 + 3 + 4·7 = 34 with a window of 4."""
     args = ModelArgs.from_name("tiny")
     full, windowed = (
-        prefill_cost(args, batch_size=3, prompt_len=10, layout=kv.layout(*strategy), **BF16)
+        prefill_cost(shaped(args, batch_size=3, prompt_len=10), layout=kv.layout(*strategy))
         for strategy in (("contiguous", {}), ("sliding", {"window": 4}))
     )
     per_key = 4 * args.n_layers * args.n_heads * args.head_dim
@@ -178,7 +184,7 @@ def test_critical_batch_at_short_context_is_in_the_low_hundreds_and_reaches_the_
     """The JAX scaling book's weights-only B ≈ ridge = 295 on an H100; a short context's KV and the activations add
     a few percent of bytes per sequence, so B* lands a little above it."""
     args = ModelArgs.from_name("llama-3.1-8b")
-    batch = critical_batch(args, context_len=16, **BF16, **H100)
+    batch = critical_batch(shaped(args), context_len=16, **H100)
     assert RIDGE_H100 < batch < 400
     assert decode(args, batch_size=batch, context_len=16).arithmetic_intensity >= RIDGE_H100
     assert decode(args, batch_size=batch - 1, context_len=16).arithmetic_intensity < RIDGE_H100
@@ -186,17 +192,17 @@ def test_critical_batch_at_short_context_is_in_the_low_hundreds_and_reaches_the_
 
 def test_beyond_the_critical_context_no_batch_reaches_the_ridge():
     args = ModelArgs.from_name("llama-3.1-8b")
-    context = critical_context(args, **BF16, **H100)
+    context = critical_context(shaped(args), **H100)
     assert 100 < context < 1000  # 128 KiB of bf16 KV per token: a few hundred tokens outweigh the FLOPs' reach
-    assert critical_batch(args, context_len=math.ceil(context * 1.05), **BF16, **H100) is None
+    assert critical_batch(shaped(args), context_len=math.ceil(context * 1.05), **H100) is None
     assert decode(args, batch_size=10**8, context_len=math.ceil(context * 1.05)).arithmetic_intensity < RIDGE_H100
-    assert critical_batch(args, context_len=math.floor(context * 0.95), **BF16, **H100) is not None
+    assert critical_batch(shaped(args), context_len=math.floor(context * 0.95), **H100) is not None
 
 
 def test_a_window_shorter_than_the_critical_context_never_binds():
     args = ModelArgs.from_name("llama-3.1-8b")
-    assert critical_context(args, layout=kv.layout("sliding", {"window": 128}), **BF16, **H100) == math.inf
-    assert critical_context(args, layout=kv.layout("none", {}), **BF16, **H100) == math.inf
+    assert critical_context(shaped(args), layout=kv.layout("sliding", {"window": 128}), **H100) == math.inf
+    assert critical_context(shaped(args), layout=kv.layout("none", {}), **H100) == math.inf
 
 
 def columns(batch_size: int, **overrides):
@@ -215,7 +221,7 @@ def test_bound_flips_from_memory_to_compute_as_batch_grows_at_short_context():
 def test_decode_columns_are_the_mean_over_the_timed_steps():
     """Steps at context 17..23 (prompt 16, 8 tokens, the first from the prefill): mean 20 = 16 + 8 / 2."""
     args = ModelArgs.from_name("llama-3.1-8b")
-    mean = mean_decode_cost(args, batch_size=4, prompt_len=16, gen_len=8, **BF16)
+    mean = mean_decode_cost(shaped(args, batch_size=4, prompt_len=16, gen_len=8))
     assert columns(4)["flops_per_step"] == mean.flops == decode(args, batch_size=4, context_len=20).flops
     assert columns(4)["bytes_per_step"] == pytest.approx(decode(args, batch_size=4, context_len=20).bytes)
 
@@ -250,7 +256,7 @@ def test_a_prefix_row_reports_the_prefill_of_a_hit():
     """prefix_len 100 with 16-token blocks shares 96 tokens: the measured prefill computes the last 32 of 128."""
     args = ModelArgs.from_name("llama-3.1-8b")
     row = columns(4, cache="prefix", prefix_len=100, prompt_len=128)
-    hit = prefill_cost(args, batch_size=4, prompt_len=128, layout=kv.layout("prefix", {}), prefix_cached=96, **BF16)
+    hit = prefill_cost(shaped(args, batch_size=4, prompt_len=128), layout=kv.layout("prefix", {}), prefix_cached=96)
     assert row["prefill_arithmetic_intensity"] == hit.arithmetic_intensity
 
 
@@ -261,7 +267,7 @@ def test_ridge_point_is_flops_per_byte():
 def test_prefill_achieved_tflops_is_the_prefill_flops_over_ttft():
     args = ModelArgs.from_name("llama-3.1-8b")
     row = columns(4, prompt_len=128, ttft_ms=40.0)
-    assert row["prefill_flops"] == prefill_cost(args, batch_size=4, prompt_len=128, **BF16).flops
+    assert row["prefill_flops"] == prefill_cost(shaped(args, batch_size=4, prompt_len=128)).flops
     assert row["prefill_achieved_tflops"] == pytest.approx(row["prefill_flops"] / 40e-3 / 1e12)
     assert columns(4)["prefill_achieved_tflops"] is None  # no TTFT measured
 

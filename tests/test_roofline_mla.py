@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from harness.config import Workload
+from harness.kv.shape import KVShape
 from harness.model_args import ModelArgs
 from harness.roofline import decode_step_cost, kv_bytes_per_token_read, prefill_cost
 from harness.roofline_row import roofline_columns
@@ -21,9 +22,9 @@ BF16 = 2  # bytes
 
 def per_key(args: ModelArgs, mla_path: str = "absorbed", context_len: int = 4096) -> tuple[float, float]:
     """(FLOPs, bytes) one more attended key adds to a decode step of one sequence."""
-    shape = dict(batch_size=1, dtype="bf16", kv_dtype="bf16", mla_path=mla_path)
-    before = decode_step_cost(args, context_len=context_len, **shape)
-    after = decode_step_cost(args, context_len=context_len + 1, **shape)
+    shape = KVShape(model=args, batch_size=1, dtype="bf16", kv_dtype="bf16", mla_path=mla_path)
+    before = decode_step_cost(shape, context_len=context_len)
+    after = decode_step_cost(shape, context_len=context_len + 1)
     return after.flops - before.flops, after.bytes - before.bytes
 
 
@@ -70,9 +71,9 @@ def test_naive_decompresses_every_key_it_attends_each_step():
 def test_absorbed_pays_the_absorption_once_per_token_instead_of_per_key():
     """At the first token (one key), the two paths differ by the absorption (per query) minus the decompression of
     that one key, both 2·R·H·(n + v) per layer, and by attention's per-pair cost."""
-    shape = dict(batch_size=1, context_len=1, dtype="bf16", kv_dtype="bf16")
-    absorbed = decode_step_cost(V2_LITE, mla_path="absorbed", **shape).flops
-    naive = decode_step_cost(V2_LITE, mla_path="naive", **shape).flops
+    shape = dict(model=V2_LITE, batch_size=1, dtype="bf16", kv_dtype="bf16")
+    absorbed = decode_step_cost(KVShape(mla_path="absorbed", **shape), context_len=1).flops
+    naive = decode_step_cost(KVShape(mla_path="naive", **shape), context_len=1).flops
     heads, rank, rope = V2_LITE.n_heads, V2_LITE.kv_lora_rank, V2_LITE.qk_rope_head_dim
     pair_absorbed = 2 * heads * (2 * rank + rope)
     pair_naive = 2 * heads * (V2_LITE.qk_nope_head_dim + rope + V2_LITE.v_head_dim)
@@ -84,15 +85,15 @@ def test_mla_weights_are_the_deepseek_v2_lite_projections():
     kv_b_proj 512 -> 16·256, o_proj 16·128 -> 2048; the dense FFN 3·2048·11264, two norms."""
     per_layer = 2048 * 3072 + 2048 * 576 + 512 * 4096 + 2048 * 2048 + 3 * 2048 * 11264 + 2 * 2048 + 512
     params = 27 * per_layer + 2048 + 102400 * 2048 + 1 * 2048  # final norm, lm_head, one embedding row
-    cost = decode_step_cost(V2_LITE, batch_size=1, context_len=10, dtype="bf16", kv_dtype="bf16")
+    cost = decode_step_cost(KVShape(model=V2_LITE, batch_size=1, dtype="bf16", kv_dtype="bf16"), context_len=10)
     assert cost.weight_bytes == params * BF16
 
 
 def test_q_compression_adds_q_a_q_b_and_their_norm():
     q_plain = dataclasses.replace(V3, q_lora_rank=None)
-    shape = dict(batch_size=1, context_len=10, dtype="bf16", kv_dtype="bf16")
-    low_rank = decode_step_cost(V3, **shape).weight_bytes
-    plain = decode_step_cost(q_plain, **shape).weight_bytes
+    shape = dict(batch_size=1, dtype="bf16", kv_dtype="bf16")
+    low_rank = decode_step_cost(KVShape(model=V3, **shape), context_len=10).weight_bytes
+    plain = decode_step_cost(KVShape(model=q_plain, **shape), context_len=10).weight_bytes
     q_out = 128 * 192
     assert low_rank - plain == 61 * (7168 * 1536 + 1536 * q_out + 1536 - 7168 * q_out) * BF16
 
@@ -100,26 +101,28 @@ def test_q_compression_adds_q_a_q_b_and_their_norm():
 def test_a_prefill_runs_decompressed_whatever_the_decode_path():
     heads, rank = V2_LITE.n_heads, V2_LITE.kv_lora_rank
     nope, rope, v = V2_LITE.qk_nope_head_dim, V2_LITE.qk_rope_head_dim, V2_LITE.v_head_dim
-    shape = dict(batch_size=2, prompt_len=64, dtype="bf16", kv_dtype="bf16")
-    naive, absorbed = (prefill_cost(V2_LITE, mla_path=path, **shape) for path in ("naive", "absorbed"))
+    shape = dict(model=V2_LITE, batch_size=2, prompt_len=64, dtype="bf16", kv_dtype="bf16")
+    naive, absorbed = (prefill_cost(KVShape(mla_path=path, **shape)) for path in ("naive", "absorbed"))
     assert naive == absorbed  # harness.mla: a forward of several tokens decompresses, as vLLM's MLA prefill does
     pairs = 64 * 65 // 2  # causal (query, key) pairs of one prompt
     kv_b = 2 * rank * heads * (nope + v)  # kv_b_proj over one latent
     naive_layer = 64 * kv_b + pairs * 2 * heads * (nope + rope + v)  # 64 visible keys decompressed once
     absorbed_layer = 64 * kv_b + pairs * 2 * heads * (2 * rank + rope)  # what the absorbed form would have cost
     assert absorbed_layer > 1.15 * naive_layer  # why: the latent's 2R + P = 1088 against n + r + v = 320 per pair
-    one_token = dict(batch_size=2, prompt_len=1, dtype="bf16", kv_dtype="bf16")
-    assert prefill_cost(V2_LITE, mla_path="naive", **one_token) != prefill_cost(V2_LITE, **one_token)
+    one_token = dict(model=V2_LITE, batch_size=2, prompt_len=1, dtype="bf16", kv_dtype="bf16")
+    assert prefill_cost(KVShape(mla_path="naive", **one_token)) != prefill_cost(KVShape(**one_token))
 
 
 def test_gqa_ignores_the_mla_path():
-    shape = dict(batch_size=4, context_len=1000, dtype="bf16", kv_dtype="bf16")
-    assert decode_step_cost(LLAMA, mla_path="naive", **shape) == decode_step_cost(LLAMA, **shape)
+    shape = dict(model=LLAMA, batch_size=4, dtype="bf16", kv_dtype="bf16")
+    assert decode_step_cost(KVShape(mla_path="naive", **shape), context_len=1000) == decode_step_cost(
+        KVShape(**shape), context_len=1000
+    )
 
 
 def test_an_unknown_mla_path_is_one_line_naming_the_field():
     with pytest.raises(ValueError, match=r"^mla_path: 'fused' is not a decode path; allowed: absorbed, naive$"):
-        decode_step_cost(V2_LITE, batch_size=1, context_len=8, dtype="bf16", kv_dtype="bf16", mla_path="fused")
+        decode_step_cost(KVShape(model=V2_LITE, dtype="bf16", kv_dtype="bf16", mla_path="fused"), context_len=8)
 
 
 def test_a_rows_roofline_takes_the_workloads_mla_path():

@@ -114,11 +114,11 @@ class LastKCache(kv.KVCache):
 
 
 class LastKLayout(Layout):
-    def allocation(self, w) -> KVAllocation:
+    def allocation(self, shape) -> KVAllocation:
         """kv [L, K|V, B, H_kv, max_tokens + headroom, D] at the plain format."""
-        args, slots = w.model_args(), w.max_tokens + self.options.headroom
-        per_slot = args.n_kv_heads * args.head_dim * DTYPE_BYTES[w.kv_dtype_name]
-        return KVAllocation(args.n_layers * 2 * w.batch_size * slots * per_slot)
+        args, slots = shape.model, shape.max_tokens + self.options.headroom
+        per_slot = args.n_kv_heads * args.head_dim * DTYPE_BYTES[shape.kv_dtype]
+        return KVAllocation(args.n_layers * 2 * shape.batch_size * slots * per_slot)
 
     def keys_attended(self, n_keys: float) -> float:
         return min(n_keys, self.options.keep)
@@ -126,8 +126,8 @@ class LastKLayout(Layout):
     def comparable_columns(self) -> tuple[str, ...]:
         return ("headroom",)  # memory depends on the headroom; `keep` changes only what is read
 
-    def check(self, w) -> None:
-        if w.kv_dtype_name in QUANTIZED:
+    def check(self, shape) -> None:
+        if shape.kv_dtype in QUANTIZED:
             raise ConfigError(f"kv_dtype: {self.name} stores plain dtypes only; allowed: {', '.join(PLAIN)}")
 
 
@@ -163,7 +163,7 @@ def test_the_planner_predicts_its_allocation_as_its_cache_reports_it_after_a_gen
         model="tiny", dtype="fp32", cache={"name": NAME, **options}, batch_size=batch, prompt_len=prompt_len,
         gen_len=gen_len,
     )  # fmt: skip
-    assert workload.layout().allocation(workload).total_bytes == cache.kv_bytes_allocated()
+    assert workload.layout().allocation(workload.kv_shape()).total_bytes == cache.kv_bytes_allocated()
     assert planner.kv_bytes_allocated(
         "tiny", cache=NAME, kv_dtype="fp32", dtype="fp32", batch_size=batch, prompt_len=prompt_len, gen_len=gen_len,
         **options,
@@ -175,7 +175,8 @@ def test_the_planner_predicts_its_allocation_as_its_cache_reports_it_after_a_gen
 def test_the_roofline_reads_the_keys_its_layout_says_a_query_attends():
     args = ModelArgs.from_name("tiny")
     layout = kv.layout(NAME, {"keep": 8})
-    step = decode_step_cost(args, batch_size=2, context_len=100, dtype="bf16", kv_dtype="bf16", layout=layout)
+    shape = kv.KVShape(model=args, batch_size=2, dtype="bf16", kv_dtype="bf16")
+    step = decode_step_cost(shape, context_len=100, layout=layout)
     assert step.kv_read_bytes == 2 * 8 * kv_bytes_per_token_read(args, "bf16")  # 8 keys, not 100
     workload = Workload(model="tiny", cache={"name": NAME, "keep": 8}, batch_size=2, prompt_len=90, gen_len=20)
     dense = Workload(model="tiny", batch_size=2, prompt_len=90, gen_len=20)

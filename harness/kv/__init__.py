@@ -3,7 +3,7 @@
 A strategy module defines `Options` (a frozen dataclass of its settings, validated in `__post_init__`), `STRATEGY`
 (its class, built as `STRATEGY(spec, options)`) and `LAYOUT` (a harness.kv.base.Layout: what it allocates, reads and
 cannot run for a workload, asked by the planner, the roofline and the sweep without building it), and `SERVING` (a
-harness.kv.base.Serving: how harness.serve serves a stream from it, or why it does not; a module without one does
+harness.kv.serve_mode.Serving: how harness.serve serves a stream from it, or why it does not; a module without one does
 not serve). Adding one costs that file plus `conf/cache/NAME.yaml`; a module outside this package (a test's, a
 plugin's) joins with `register`.
 """
@@ -17,11 +17,14 @@ import pkgutil
 from types import ModuleType
 from typing import Any
 
-from harness.kv.base import CacheSpec, KVCache, Layout, Serving
+from harness.kv.base import CacheSpec, KVCache, Layout
+from harness.kv.serve_mode import Serving
+from harness.kv.shape import KVShape
 
 __all__ = [
     "CacheSpec",
     "KVCache",
+    "KVShape",
     "Layout",
     "Serving",
     "build",
@@ -39,9 +42,12 @@ __all__ = [
 _NOT_STRATEGIES = {
     "base",
     "block_file",
+    "footprint",
     "host",
     "paged_attend",
     "quant",
+    "serve_mode",
+    "shape",
     "tiers",
     "triton_kernels",
     "triton_paged",
@@ -121,7 +127,7 @@ def layout(name: str, options: dict[str, Any]) -> Layout:
 
 
 def serving(name: str) -> Serving:
-    """How the strategy serves a request stream (harness.kv.base.Serving); a module declaring none does not."""
+    """How the strategy serves a request stream (harness.kv.serve_mode.Serving); a module declaring none does not."""
     declared = getattr(_module(name), "SERVING", None)
     return declared if declared is not None else Serving.refused(f"{name} declares no SERVING")
 

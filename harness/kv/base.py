@@ -20,19 +20,25 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
 from harness.errors import Unsupported
-from harness.formats import BITS, DTYPE_BYTES, PER_TOKEN_SCALED, SCALE_BYTES
-from harness.formats import PLAIN as PLAIN_NAMES
+from harness.formats import BITS, SCALE_BYTES
+from harness.kv.footprint import (
+    KVAllocation,
+    cache_width,
+    codec_transients,
+    data_row_bytes,
+    int4_tail_bytes,
+    scale_parts,
+)
 from harness.kv.quant import PLAIN
-
-if TYPE_CHECKING:  # harness.config imports this package
-    from harness.config import Workload
+from harness.kv.serve_mode import Serving  # noqa: F401  (re-exported: harness.kv.paged and harness.serve import it here)
+from harness.kv.shape import KVShape
 
 
 @dataclass(frozen=True)
@@ -293,27 +299,13 @@ def blocks_for(n_tokens: int, block_size: int) -> int:
 # --- what a strategy knows about a workload, without building it ------------------------------------------------
 
 
-@dataclass(frozen=True)
-class KVAllocation:
-    """A strategy's KV storage, by kind: payload, scales, int4's tail; and of it, what sits in host memory."""
-
-    data_bytes: int
-    scale_bytes: int = 0
-    tail_bytes: int = 0
-    host_bytes: int = 0  # offload: the pinned host store (the rest are its two device slots)
-
-    @property
-    def total_bytes(self) -> int:
-        return self.data_bytes + self.scale_bytes + self.tail_bytes
-
-
 class Layout:
     """A strategy's knowledge of a workload, asked by the planner (harness.plan), the roofline and the sweep's OOM
     backstop, so that none of them knows a strategy by name. Each harness/kv/<name>.py defines `LAYOUT`, a subclass.
 
     These defaults are the dense case, `contiguous`: every sequence holds max_tokens rows of K and V, each query
-    reads every key before it, the codecs' transients are those of a buffer read in place. `w` is a
-    harness.config.Workload; token counts are per sequence.
+    reads every key before it, the codecs' transients are those of a buffer read in place. `shape` is the
+    workload's harness.kv.shape.KVShape (harness.config.Workload.kv_shape); token counts are per sequence.
     """
 
     # True only for the no-cache baseline: a decode step is a forward over the whole sequence so far.
@@ -333,28 +325,30 @@ class Layout:
         self.name, self.options = name, options
 
     # --- memory ---------------------------------------------------------------------------------------------
-    def allocation(self, w: Workload) -> KVAllocation:
+    def allocation(self, shape: KVShape) -> KVAllocation:
         """Exactly what the cache's kv_bytes_allocated() reports at the peak of a generation (after its first
         write, when int4 allocates its tail). Dense: K and V each [L, B, H_kv, S, w] (MLA: the one latent side
         [L, B, 1, S, w], w from kv_lora_rank + qk_rope_head_dim); each scale part [L, B, H_kv, ceil(S / tokens),
         width] (harness.kv.contiguous)."""
-        args = w.model_args()
-        lead = args.n_layers * w.batch_size * args.cache_heads
-        data = lead * args.cache_sides * w.max_tokens * data_row_bytes(w)
-        scales = sum(lead * blocks_for(w.max_tokens, tokens) * width * SCALE_BYTES for tokens, width in scale_parts(w))
-        return KVAllocation(data, scale_bytes=scales, tail_bytes=int4_tail_bytes(w))
+        args = shape.model
+        lead = args.n_layers * shape.batch_size * args.cache_heads
+        data = lead * args.cache_sides * shape.max_tokens * data_row_bytes(shape)
+        scales = sum(
+            lead * blocks_for(shape.max_tokens, tokens) * width * SCALE_BYTES for tokens, width in scale_parts(shape)
+        )
+        return KVAllocation(data, scale_bytes=scales, tail_bytes=int4_tail_bytes(shape))
 
-    def pool_fits(self, w: Workload) -> bool:
+    def pool_fits(self, shape: KVShape) -> bool:
         """Whether a fixed pool holds the batch at its peak; False is KVPoolExhausted (an `oom` row)."""
         return True
 
-    def transients(self, w: Workload, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
+    def transients(self, shape: KVShape, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
         """(write peak, read-back peak, read-back result) in bytes, for one layer's attend: what the strategy
         creates beside the layer's live tensors when it stores n_new tokens per sequence and reads n_keys back."""
-        width = cache_width(w)
-        return codec_transients(w, new=n_seqs * n_new * width, keys=n_seqs * n_keys * width)
+        width = cache_width(shape)
+        return codec_transients(shape, new=n_seqs * n_new * width, keys=n_seqs * n_keys * width)
 
-    def step_mask_bytes(self, w: Workload, *, n_new: int, n_keys: int) -> tuple[int, int]:
+    def step_mask_bytes(self, shape: KVShape, *, n_new: int, n_keys: int) -> tuple[int, int]:
         """(held, peak while built) bytes of a mask the strategy builds for a whole forward before the layers and
         holds through them; (0, 0) when it builds none (a layer's own causal mask is the planner's)."""
         return 0, 0
@@ -377,7 +371,7 @@ class Layout:
             return sum(self.keys_attended(n) for n in range(first, last + 1))
         return last * (last + 1) // 2 - (first - 1) * first // 2
 
-    def prefix_tokens(self, w: Workload) -> int:
+    def prefix_tokens(self, shape: KVShape) -> int:
         """Leading prompt tokens a prefix hit finds stored, held once for the whole batch (0: no sharing)."""
         return 0
 
@@ -396,123 +390,9 @@ class Layout:
         raise Unsupported(f"lengths=mixed measures allocation waste of contiguous and paged only, not {self.name}")
 
     # --- what it cannot run ------------------------------------------------------------------------------
-    def check(self, w: Workload) -> None:
+    def check(self, shape: KVShape) -> None:
         """A ConfigError naming the field, for what the cache raises Unsupported for; the dense default stores any
         format (int4 groups checked by the config)."""
 
     def check_device(self, device: str) -> None:
         """A ConfigError naming the field when the strategy cannot run on `device` ("cpu" or "cuda")."""
-
-
-SERVE_POOLS = ("blocks", "slots")  # Serving.pool: the kinds of pool harness.serve keeps the books of
-
-
-@dataclass(frozen=True)
-class Serving:
-    """How a strategy serves a request stream (harness.serve), or that it does not and why: each
-    harness/kv/<name>.py declares `SERVING` beside its LAYOUT, so that serving, like the planner, never knows a
-    strategy by name.
-
-    Data, not the serving classes: harness.serve builds its caches from this package, so a strategy names the kind
-    of pool it is served from and harness.serve.kv_manager keeps that kind's books (an import of harness.serve here
-    would be a cycle). pool "blocks": a paged pool, each request's block table grown as it computes (Kwon et al.
-    2023); "slots": one slot of max_model_len tokens per running request, reserved whole at admission (Orca's).
-    """
-
-    pool: str | None  # one of SERVE_POOLS, or None: it does not serve (`refusal` says why)
-    # The strategy whose cache holds the pool, built for serving (harness.serve.engine.build_cache); "": its own. A
-    # blocks pool is a harness.kv.paged pool: sharing and what a window frees are the scheduler's block tables.
-    storage: str = ""
-    shares_prefix: bool = False  # requests share the cached blocks of a common prompt prefix (vLLM's enable_caching)
-    windowed: bool = False  # a query reads its last sliding_window keys; the blocks before them are freed
-    refusal: str = ""  # why it does not serve: the one line a serving run is refused with
-
-    def __post_init__(self) -> None:
-        if self.pool not in (*SERVE_POOLS, None):
-            raise ValueError(f"Serving.pool: must be one of {', '.join(SERVE_POOLS)} or None, got {self.pool!r}")
-        if (self.pool is None) != bool(self.refusal):
-            raise ValueError("Serving.refusal: a strategy that does not serve says why, one that serves says nothing")
-        if (self.shares_prefix or self.windowed) and self.pool != "blocks":
-            raise ValueError("Serving: a shared prefix and a window are kept by block tables: pool must be 'blocks'")
-
-    @classmethod
-    def refused(cls, reason: str) -> Serving:
-        return cls(pool=None, refusal=reason)
-
-    @property
-    def serves(self) -> bool:
-        return self.pool is not None
-
-    @property
-    def paged(self) -> bool:
-        """Blocks taken as a request grows, by block table; else a slot per request, addressed by its index."""
-        return self.pool == "blocks"
-
-
-def cache_width(w: Workload) -> int:
-    """Values one side (K, V, or MLA's latent row) of one token holds in one layer: H_kv x D; MLA 1 x (kv_lora_rank
-    + qk_rope_head_dim), the cache geometry of harness.model_args.ModelArgs (cache_heads, cache_head_dim)."""
-    args = w.model_args()
-    return args.cache_heads * args.cache_head_dim
-
-
-def data_row_bytes(w: Workload) -> int:
-    """Bytes of one token's K (or V, or MLA's latent row) of one cached head at the storage format's bits: int4
-    D / 2."""
-    return w.model_args().cache_head_dim * BITS[w.kv_dtype_name] // 8
-
-
-def scale_parts(w: Workload) -> list[tuple[int, int]]:
-    """(tokens per row, width) of each fp32 scale part (harness.kv.quant: TokenFormat.parts, Int4Kivi.parts):
-    fp8/int8 a k_scale and a v_scale of width 1 per token; int4 a scale and a zero of width D per G key tokens, and
-    of width D / G per value token. MLA caches one side, quantized as keys are: one scale per token (fp8/int8), a
-    scale and a zero per channel per G tokens (int4: the latent's channels, like K's, carry the outliers)."""
-    kv_dtype, head_dim, group = w.kv_dtype_name, w.model_args().cache_head_dim, w.kv_group_size
-    sides = w.model_args().cache_sides
-    if kv_dtype in PER_TOKEN_SCALED:
-        return [(1, 1)] * sides
-    if kv_dtype == "int4":
-        values = [(1, head_dim // group), (1, head_dim // group)] if sides == 2 else []
-        return [(group, head_dim), (group, head_dim), *values]
-    return []
-
-
-def int4_tail_bytes(w: Workload) -> int:
-    """int4's full-precision ring, [L, B, H_kv, capacity, D] per side in the compute dtype, allocated on the first
-    write: keys wait for a whole group (residual + G - 1 tokens at most), values for the residual. MLA's one latent
-    side waits as keys do."""
-    if w.kv_dtype_name != "int4":
-        return 0
-    args = w.model_args()
-    capacity = min(w.kv_residual + w.kv_group_size - 1, w.max_tokens)
-    if args.cache_sides == 2:
-        capacity += min(w.kv_residual, w.max_tokens)
-    return args.n_layers * w.batch_size * args.cache_heads * capacity * args.cache_head_dim * DTYPE_BYTES[w.dtype]
-
-
-def codec_transients(w: Workload, *, new: int, keys: int, gathered: int = 0) -> tuple[int, int, int]:
-    """(write peak, read-back peak, read-back result) of the format's codec, `new` values written and `keys` read
-    back per side, `gathered` bytes of one side's payload gathered first (a paged read; 0 for a buffer read in place).
-
-    Plain storage at the compute dtype is free (views); a dtype other than the compute dtype is converted on write
-    and on read; fp8/int8 encode through fp32 temporaries (abs, x / scale, clamp, round) and decode to fp32, times
-    the scale, then to the dtype; int4 likewise with its min/max codes and nibble unpacking (an estimate:
-    harness.kv.quant.Int4Kivi). Both sides are read back (K and V), or MLA's one latent side (`sides`).
-    """
-    kv_dtype, b, sides = w.kv_dtype_name, DTYPE_BYTES[w.dtype], w.model_args().cache_sides
-    other = (sides - 1) * b  # per value read: the other side, already decoded, while this one decodes
-    converts = b != 4  # the codecs compute in fp32: a non-fp32 input is copied to fp32 first
-    if kv_dtype in PLAIN_NAMES:
-        kv_b = DTYPE_BYTES[kv_dtype]
-        write = new * kv_b if kv_b != b else 0
-        if kv_b == b:
-            return write, 0, 0
-        return write, sides * keys * b, sides * keys * b
-    if kv_dtype == "int4":  # codes and fp32 temporaries: ~17 bytes per value written, ~12 per value read
-        write = new * (17 + 4 * converts)
-        read_peak = keys * (other + 12) + sides * gathered
-        return write, read_peak, sides * keys * b
-    # fp8 (x/scale, clamp, cast: 9 bytes per value) and int8 (x/scale, round, clamp: 12), fp32 in
-    write = new * ((12 if kv_dtype == "int8" else 9) + 4 * converts)
-    read_peak = keys * (other + 8) + gathered  # the other side decoded (b), this one: fp32 codes and codes·scale
-    return write, read_peak, sides * keys * b

@@ -295,20 +295,22 @@ class EvictLayout(Layout):
     lossy_family: ClassVar[str | None] = "evict {policy}"  # one trace per policy
     lossy_curve: ClassVar[bool] = True  # its budgets
 
-    def allocation(self, w) -> KVAllocation:
+    def allocation(self, shape) -> KVAllocation:
         """data [L, K|V, B, H_kv, slots, D] (+ scale [.., slots, 1] for fp8/int8); no int4."""
-        args = w.model_args()
-        slots = min(self.options.budget, w.max_tokens)
-        tokens = args.n_layers * 2 * w.batch_size * args.n_kv_heads * slots
-        data = tokens * args.head_dim * BITS[w.kv_dtype_name] // 8
-        return KVAllocation(data, scale_bytes=tokens * SCALE_BYTES if w.kv_dtype_name in QUANTIZED else 0)
+        args = shape.model
+        slots = min(self.options.budget, shape.max_tokens)
+        tokens = args.n_layers * 2 * shape.batch_size * args.n_kv_heads * slots
+        data = tokens * args.head_dim * BITS[shape.kv_dtype] // 8
+        return KVAllocation(data, scale_bytes=tokens * SCALE_BYTES if shape.kv_dtype in QUANTIZED else 0)
 
-    def transients(self, w, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
+    def transients(self, shape, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
         """The format's write and read-back of the held keys; a prompt past the budget is held whole, decoded
         (2 sides at the compute dtype), beside the policy's fp32 probabilities (an estimate: logits and softmax)."""
-        args, budget = w.model_args(), self.options.budget
-        new, b = n_seqs * n_new * args.kv_dim, DTYPE_BYTES[w.dtype]
-        write, read_peak, read_result = codec_transients(w, new=new, keys=n_seqs * min(n_keys, budget) * args.kv_dim)
+        args, budget = shape.model, self.options.budget
+        new, b = n_seqs * n_new * args.kv_dim, DTYPE_BYTES[shape.dtype]
+        write, read_peak, read_result = codec_transients(
+            shape, new=new, keys=n_seqs * min(n_keys, budget) * args.kv_dim
+        )
         rows = {"h2o": n_new, "snapkv": min(self.options.window, n_new) if n_new > 1 else 0}.get(self.options.policy, 0)
         probs = 3 * min(n_seqs * args.n_heads * rows * n_keys * 4, SCORE_CHUNK_BYTES)  # logits, masked, softmax
         if n_new > 1 and n_keys > budget:
@@ -329,8 +331,8 @@ class EvictLayout(Layout):
         # obs_window, not window: `window` is the sliding window's column (harness.store.schema)
         return {"policy": self.options.policy, "budget": self.options.budget, "obs_window": self.options.window}
 
-    def check(self, w) -> None:
-        if w.kv_dtype_name == "int4":
+    def check(self, shape) -> None:
+        if shape.kv_dtype == "int4":
             raise ConfigError(
                 f"kv_dtype: {self.name} cannot store int4; allowed: {', '.join(k for k in BITS if k != 'int4')}"
             )

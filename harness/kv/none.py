@@ -54,16 +54,16 @@ class NoCacheLayout(Layout):
 
     recomputes_prefix: ClassVar[bool] = True
 
-    def allocation(self, w) -> KVAllocation:
+    def allocation(self, shape) -> KVAllocation:
         return KVAllocation(0)
 
-    def transients(self, w, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
+    def transients(self, shape, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
         return 0, 0, 0
 
-    def check(self, w) -> None:
-        if w.kv_dtype_name != w.dtype:
+    def check(self, shape) -> None:
+        if shape.kv_dtype != shape.dtype:
             raise ConfigError(
-                f"kv_dtype: none keeps no K/V, so there is nothing to store as {w.kv_dtype_name}; allowed: auto"
+                f"kv_dtype: none keeps no K/V, so there is nothing to store as {shape.kv_dtype}; allowed: auto"
             )
 
 

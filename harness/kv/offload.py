@@ -157,24 +157,24 @@ class OffloadCache(kv.KVCache):
 class OffloadLayout(Layout):
     """The host store of every layer, and two device slots; the device slot is read in place."""
 
-    def allocation(self, w) -> KVAllocation:
+    def allocation(self, shape) -> KVAllocation:
         """host [L, S, K|V, B, H_kv, D] + staging [2, S, K|V, B, H_kv, D] (MLA: one latent side of one head),
         plain dtypes only."""
-        args = w.model_args()
-        per_token = args.cache_sides * w.batch_size * cache_width(w) * DTYPE_BYTES[w.kv_dtype_name]
-        per_layer = w.max_tokens * per_token
+        args = shape.model
+        per_token = args.cache_sides * shape.batch_size * cache_width(shape) * DTYPE_BYTES[shape.kv_dtype]
+        per_layer = shape.max_tokens * per_token
         return KVAllocation(data_bytes=(args.n_layers + 2) * per_layer, host_bytes=args.n_layers * per_layer)
 
-    def transients(self, w, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
+    def transients(self, shape, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
         """torch.stack((k, v)) of the new tokens (MLA: its one side), at the compute dtype."""
-        return w.model_args().cache_sides * n_seqs * n_new * cache_width(w) * DTYPE_BYTES[w.dtype], 0, 0
+        return shape.model.cache_sides * n_seqs * n_new * cache_width(shape) * DTYPE_BYTES[shape.dtype], 0, 0
 
-    def check(self, w) -> None:
-        if w.kv_dtype_name == "int4":
+    def check(self, shape) -> None:
+        if shape.kv_dtype == "int4":
             raise ConfigError(
                 f"kv_dtype: {self.name} cannot store int4; allowed: {', '.join(k for k in BITS if k != 'int4')}"
             )
-        if w.kv_dtype_name in QUANTIZED:
+        if shape.kv_dtype in QUANTIZED:
             raise ConfigError(f"kv_dtype: {self.name} stores plain dtypes only; allowed: {', '.join(PLAIN_NAMES)}")
 
     def check_device(self, device: str) -> None:

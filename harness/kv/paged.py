@@ -330,51 +330,51 @@ class PagedLayout(Layout):
 
     stores_latent: ClassVar[bool] = True
 
-    def shared_blocks(self, w) -> int:
+    def shared_blocks(self, shape) -> int:
         """Blocks every sequence's table shares, held once (prefix caching); 0 here."""
         return 0
 
-    def pool_blocks(self, w) -> int:
+    def pool_blocks(self, shape) -> int:
         if self.options.pool_tokens is not None:
             return blocks_for(self.options.pool_tokens, self.options.block_size)
-        return self.blocks_needed(w)
+        return self.blocks_needed(shape)
 
-    def blocks_needed(self, w) -> int:
+    def blocks_needed(self, shape) -> int:
         """Blocks the batch holds at its peak: ceil(S / bs) per sequence, the shared ones once."""
-        per_sequence = blocks_for(w.max_tokens, self.options.block_size)
-        return w.batch_size * per_sequence - (w.batch_size - 1) * self.shared_blocks(w)
+        per_sequence = blocks_for(shape.max_tokens, self.options.block_size)
+        return shape.batch_size * per_sequence - (shape.batch_size - 1) * self.shared_blocks(shape)
 
-    def allocation(self, w) -> KVAllocation:
+    def allocation(self, shape) -> KVAllocation:
         """K and V pools each [L, N, H_kv, bs, w] (MLA: one latent pool [L, N, 1, bs, w]); each scale part
         [L, N, H_kv, rows per block, width]."""
-        args, block_size = w.model_args(), self.options.block_size
-        lead = args.n_layers * self.pool_blocks(w) * args.cache_heads
-        data = lead * args.cache_sides * block_size * data_row_bytes(w)
+        args, block_size = shape.model, self.options.block_size
+        lead = args.n_layers * self.pool_blocks(shape) * args.cache_heads
+        data = lead * args.cache_sides * block_size * data_row_bytes(shape)
         scales = sum(
-            lead * rows_per_block(block_size, tokens) * width * SCALE_BYTES for tokens, width in scale_parts(w)
+            lead * rows_per_block(block_size, tokens) * width * SCALE_BYTES for tokens, width in scale_parts(shape)
         )
-        return KVAllocation(data, scale_bytes=scales, tail_bytes=int4_tail_bytes(w))
+        return KVAllocation(data, scale_bytes=scales, tail_bytes=int4_tail_bytes(shape))
 
-    def pool_fits(self, w) -> bool:
-        return self.blocks_needed(w) <= self.pool_blocks(w)
+    def pool_fits(self, shape) -> bool:
+        return self.blocks_needed(shape) <= self.pool_blocks(shape)
 
-    def transients(self, w, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
+    def transients(self, shape, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
         """A read gathers each side through the block table, twice (the index, then a reshape), whole blocks."""
-        width, block_size, sides = cache_width(w), self.options.block_size, w.model_args().cache_sides
+        width, block_size, sides = cache_width(shape), self.options.block_size, shape.model.cache_sides
         new, keys = n_seqs * n_new * width, n_seqs * n_keys * width  # values written and read back per side
         keys_rounded = n_seqs * blocks_for(n_keys, block_size) * block_size * width
-        gathered = keys_rounded * BITS[w.kv_dtype_name] // 8  # one side's payload gathered from the pool
-        if w.kv_dtype_name not in PLAIN_NAMES:
-            return codec_transients(w, new=new, keys=keys, gathered=gathered)
-        b, kv_b = DTYPE_BYTES[w.dtype], DTYPE_BYTES[w.kv_dtype_name]
+        gathered = keys_rounded * BITS[shape.kv_dtype] // 8  # one side's payload gathered from the pool
+        if shape.kv_dtype not in PLAIN_NAMES:
+            return codec_transients(shape, new=new, keys=keys, gathered=gathered)
+        b, kv_b = DTYPE_BYTES[shape.dtype], DTYPE_BYTES[shape.kv_dtype]
         write = new * kv_b if kv_b != b else 0
         result = keys * b if kv_b != b else gathered
         read_peak = result + 2 * gathered if kv_b == b else result + max(2 * gathered, gathered + keys * b)
         return write, read_peak, sides * result
 
-    def check(self, w) -> None:
-        group, block = w.kv_group_size, self.options.block_size
-        if w.kv_dtype_name == "int4" and block % group and group % block:
+    def check(self, shape) -> None:
+        group, block = shape.kv_group_size, self.options.block_size
+        if shape.kv_dtype == "int4" and block % group and group % block:
             raise ConfigError(
                 f"cache.block_size: {block} cannot hold whole int4 key groups of {group} tokens; allowed: a "
                 f"divisor or a multiple of {group}"

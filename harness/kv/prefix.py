@@ -333,12 +333,14 @@ class PrefixLayout(PagedLayout):
 
     stores_latent: ClassVar[bool] = False  # paged storage, but MLA runs were scoped to contiguous and paged only
 
-    def prefix_tokens(self, w) -> int:
-        unit = shared_unit(block_size=self.options.block_size, kv_dtype=w.kv_dtype_name, kv_group_size=w.kv_group_size)
-        return shared_tokens(prefix_len=w.prefix_len, prompt_len=w.prompt_len, unit=unit)
+    def prefix_tokens(self, shape) -> int:
+        unit = shared_unit(
+            block_size=self.options.block_size, kv_dtype=shape.kv_dtype, kv_group_size=shape.kv_group_size
+        )
+        return shared_tokens(prefix_len=shape.prefix_len, prompt_len=shape.prompt_len, unit=unit)
 
-    def shared_blocks(self, w) -> int:
-        return self.prefix_tokens(w) // self.options.block_size
+    def shared_blocks(self, shape) -> int:
+        return self.prefix_tokens(shape) // self.options.block_size
 
     def option_columns(self) -> dict:
         """A tier the point does not have is a null, not its default size: host_gb 0 and disk_gb without a disk_dir
@@ -347,9 +349,9 @@ class PrefixLayout(PagedLayout):
         has_disk = columns["disk_dir"] is not None
         return columns | {"host_gb": columns["host_gb"] or None, "disk_gb": columns["disk_gb"] if has_disk else None}
 
-    def check(self, w) -> None:
-        super().check(w)
-        if w.kv_dtype_name == "int4" and w.kv_residual > 0 and w.prefix_len > 0:
+    def check(self, shape) -> None:
+        super().check(shape)
+        if shape.kv_dtype == "int4" and shape.kv_residual > 0 and shape.prefix_len > 0:
             raise ConfigError("kv_residual: prefix caching of int4 needs kv_residual=0 (its tail is private)")
 
     mixed_batch = Layout.mixed_batch  # allocation waste is measured for contiguous and paged only

@@ -216,37 +216,37 @@ class SlidingLayout(Layout):
     lossy: ClassVar[bool] = True
     lossy_family: ClassVar[str | None] = "sliding window"
 
-    def allocation(self, w) -> KVAllocation:
+    def allocation(self, shape) -> KVAllocation:
         """data [L, K|V, B, H_kv, slots, D] (MLA: one latent side of one head of its row) (+ scale [.., slots, 1]
         for fp8/int8); no int4."""
-        args = w.model_args()
-        slots = min(self.options.window, w.max_tokens)
-        tokens = args.n_layers * args.cache_sides * w.batch_size * args.cache_heads * slots
-        data = tokens * args.cache_head_dim * BITS[w.kv_dtype_name] // 8
-        return KVAllocation(data, scale_bytes=tokens * SCALE_BYTES if w.kv_dtype_name in QUANTIZED else 0)
+        args = shape.model
+        slots = min(self.options.window, shape.max_tokens)
+        tokens = args.n_layers * args.cache_sides * shape.batch_size * args.cache_heads * slots
+        data = tokens * args.cache_head_dim * BITS[shape.kv_dtype] // 8
+        return KVAllocation(data, scale_bytes=tokens * SCALE_BYTES if shape.kv_dtype in QUANTIZED else 0)
 
     def _banded(self, *, n_new: int, n_keys: int) -> bool:
         return n_new > 1 and n_keys > self.options.window
 
-    def transients(self, w, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
+    def transients(self, shape, *, n_seqs: int, n_new: int, n_keys: int) -> tuple[int, int, int]:
         """A ring's write, and its read-back within the window; banded: the held keys and the new ones,
         concatenated (at the compute dtype)."""
-        width, sides = cache_width(w), w.model_args().cache_sides
+        width, sides = cache_width(shape), shape.model.cache_sides
         new = n_seqs * n_new * width  # values written per side
         if self._banded(n_new=n_new, n_keys=n_keys):
-            return self._write_bytes(w, new), 0, sides * new * DTYPE_BYTES[w.dtype]
+            return self._write_bytes(shape, new), 0, sides * new * DTYPE_BYTES[shape.dtype]
         keys = n_seqs * min(n_keys, self.options.window) * width
-        return codec_transients(w, new=new, keys=keys)
+        return codec_transients(shape, new=new, keys=keys)
 
     @staticmethod
-    def _write_bytes(w, new: int) -> int:
+    def _write_bytes(shape, new: int) -> int:
         """A ring's write of `new` values per side: plain at the compute dtype in place, else through its codec."""
-        b, kv_dtype = DTYPE_BYTES[w.dtype], w.kv_dtype_name
+        b, kv_dtype = DTYPE_BYTES[shape.dtype], shape.kv_dtype
         if kv_dtype in PLAIN_NAMES:
             return new * DTYPE_BYTES[kv_dtype] if DTYPE_BYTES[kv_dtype] != b else 0
         return new * ((12 if kv_dtype == "int8" else 9) + 4 * (b != 4))
 
-    def step_mask_bytes(self, w, *, n_new: int, n_keys: int) -> tuple[int, int]:
+    def step_mask_bytes(self, shape, *, n_new: int, n_keys: int) -> tuple[int, int]:
         """A prefill past the window builds its [T, T] band before the layers (10 bytes per pair at the peak: a
         bool, the int64 distances, a bool) and holds it (1 byte per pair) through every phase."""
         band = n_new * n_keys if self._banded(n_new=n_new, n_keys=n_keys) else 0
@@ -272,8 +272,8 @@ class SlidingLayout(Layout):
         below = max(0, window - first + 1)  # queries that see fewer keys than the window
         return triangle(first - 1 + below) - triangle(first - 1) + (last - first + 1 - below) * window
 
-    def check(self, w) -> None:
-        if w.kv_dtype_name == "int4":
+    def check(self, shape) -> None:
+        if shape.kv_dtype == "int4":
             raise ConfigError(
                 f"kv_dtype: {self.name} cannot store int4; allowed: {', '.join(k for k in BITS if k != 'int4')}"
             )

@@ -33,7 +33,7 @@ def prefill_activation_bytes(w: Workload) -> int:
     """The prompt through every layer at once, B × T tokens. A strategy that holds a shared prefix (prefix caching)
     first computes it as one sequence, then the B suffixes from there, attending with a [T, S] mask."""
     batch, prompt = w.batch_size, w.prompt_len
-    shared = min(w.layout().prefix_tokens(w), prompt - 1)
+    shared = min(w.layout().prefix_tokens(w.kv_shape()), prompt - 1)
     peaks = [forward_bytes(w, n_seqs=batch, n_new=prompt - shared, n_keys=prompt)]
     if shared:
         peaks.append(forward_bytes(w, n_seqs=1, n_new=shared, n_keys=shared))
@@ -75,7 +75,7 @@ def forward_bytes(w: Workload, *, n_seqs: int, n_new: int, n_keys: int) -> int:
     layout, args, b = w.layout(), w.model_args(), DTYPE_BYTES[w.dtype]
     d, q, k, f = args.dim, args.q_dim, args.kv_dim, args.intermediate_size
     n = n_seqs * n_new  # tokens through the layers
-    write, read_peak, read_result = layout.transients(w, n_seqs=n_seqs, n_new=n_new, n_keys=n_keys)
+    write, read_peak, read_result = layout.transients(w.kv_shape(), n_seqs=n_seqs, n_new=n_new, n_keys=n_keys)
     attention_out = n * (q * b + args.n_heads * 4)
     mask = n_new * n_keys if 1 < n_new < n_keys else 0  # bool [T, S], for queries that start mid-sequence
     if w.attn_impl == "eager":  # harness.kv.base.eager_attention
@@ -83,7 +83,7 @@ def forward_bytes(w: Workload, *, n_seqs: int, n_new: int, n_keys: int) -> int:
         per_pair = b + 4 + (b if b != 4 else 0)  # scores, softmax's fp32 output, its cast (none for fp32)
         attention_out = n * q * b + n_seqs * args.n_heads * n_new * n_keys * per_pair + n * q * b
         mask = n_new * n_keys * (1 + (2 * group if group > 1 else 1)) if n_new > 1 else 0
-    held, building = layout.step_mask_bytes(w, n_new=n_new, n_keys=n_keys)
+    held, building = layout.step_mask_bytes(w.kv_shape(), n_new=n_new, n_keys=n_keys)
     norm = 16 * d if b == 4 else 2 * d * b + 8 * d
     attend_live = n * (2 * d + 2 * q + 3 * k) * b
     layers = max(

@@ -53,9 +53,9 @@ def mla_forward_bytes(w: Workload, *, n_seqs: int, n_new: int, n_keys: int) -> i
     nope, rope, rank, v = args.qk_nope_head_dim, args.qk_rope_head_dim, args.kv_lora_rank, args.v_head_dim
     q, c = heads * (nope + rope), rank + rope
     n = n_seqs * n_new  # tokens through the layers
-    write, read_peak, read_result = layout.transients(w, n_seqs=n_seqs, n_new=n_new, n_keys=n_keys)
+    write, read_peak, read_result = layout.transients(w.kv_shape(), n_seqs=n_seqs, n_new=n_new, n_keys=n_keys)
     mask = n_new * n_keys if 1 < n_new < n_keys else 0  # bool [T, S], for queries that start mid-sequence
-    held, building = layout.step_mask_bytes(w, n_new=n_new, n_keys=n_keys)
+    held, building = layout.step_mask_bytes(w.kv_shape(), n_new=n_new, n_keys=n_keys)
     norm = 16 * d if b == 4 else 2 * d * b + 8 * d
     q_lora = 2 * args.q_lora_rank if args.q_lora_rank is not None else 0
     live = n * (2 * d + q + c + rank) * b  # x, h, q, kv_a's output, normed c_kv

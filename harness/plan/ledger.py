@@ -110,7 +110,7 @@ def kv_bytes_allocated(
 
 def workload_kv_bytes(workload: Workload) -> int:
     """kv_bytes_allocated for a workload already built (a RunConfig's .workload(): the point runner's row)."""
-    return workload.layout().allocation(workload).total_bytes
+    return workload.layout().allocation(workload.kv_shape()).total_bytes
 
 
 def weights_bytes(args: ModelArgs, dtype: str) -> int:
@@ -166,7 +166,7 @@ class Ledger:
 
     @property
     def fits(self) -> bool:
-        return self.free_bytes >= 0 and self.workload.layout().pool_fits(self.workload)
+        return self.free_bytes >= 0 and self.workload.layout().pool_fits(self.workload.kv_shape())
 
 
 def ledger(
@@ -197,9 +197,9 @@ def ledger(
             f"({weights_bytes(args, workload.dtype) / GiB:.2f} GiB) and the runtime ({runtime_overhead_bytes / GiB:.2f} "
             f"GiB); allowed: more than {static / GiB:.2f} GiB"
         )
-    allocation = layout.allocation(workload)
+    allocation = layout.allocation(workload.kv_shape())
     one_request = workload.replace(batch_size=1)
-    one = layout.allocation(one_request)
+    one = layout.allocation(one_request.kv_shape())
     limits = dict(memory_bytes=memory_bytes, runtime_overhead_bytes=runtime_overhead_bytes)
     context, context_by = _max_context(workload, **limits)
     return Ledger(
@@ -230,7 +230,7 @@ def _memory_bytes(memory_gb: float | None, device: str) -> int:
 
 def total_bytes(workload: Workload, *, runtime_overhead_bytes: int) -> int:
     """static + dynamic of the ledger, on the device (host-held KV excluded): the quantity that must fit."""
-    args, allocation = workload.model_args(), workload.layout().allocation(workload)
+    args, allocation = workload.model_args(), workload.layout().allocation(workload.kv_shape())
     return (
         weights_bytes(args, workload.dtype)
         + buffers_bytes(args, workload.max_tokens)
@@ -243,7 +243,7 @@ def total_bytes(workload: Workload, *, runtime_overhead_bytes: int) -> int:
 
 def fits(workload: Workload, *, memory_bytes: int, runtime_overhead_bytes: int) -> bool:
     """The pool holds the batch and the total fits memory_bytes."""
-    return workload.layout().pool_fits(workload) and (
+    return workload.layout().pool_fits(workload.kv_shape()) and (
         total_bytes(workload, runtime_overhead_bytes=runtime_overhead_bytes) <= memory_bytes
     )
 
@@ -352,6 +352,6 @@ def format_ledger(book: Ledger) -> str:
         f"  max context at {w.batch_size} concurrent: {book.max_context} tokens"
         + (" (the model's positions)" if book.max_context_by == "model" else ""),
     ]
-    if not w.layout().pool_fits(w):
+    if not w.layout().pool_fits(w.kv_shape()):
         rows.append(f"  the {w.cache_name} pool cannot hold {w.batch_size} requests: KV pool exhausted")
     return "\n".join(rows)

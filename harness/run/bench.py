@@ -231,7 +231,7 @@ def prefix_prediction_columns(cfg: RunConfig, *, args, prefix_bytes: int) -> dic
     stored = ceilings.read_stored(ceilings.ceilings_path(cfg.torch_device(), cfg.ceilings_dir or cfg.results_dir))
     return reuse.predicted_columns(
         args,
-        n_tokens=cfg.layout().prefix_tokens(cfg),
+        n_tokens=cfg.layout().prefix_tokens(cfg.kv_shape()),
         prefix_bytes=prefix_bytes,
         dtype=cfg.dtype,
         kv_dtype=cfg.kv_dtype_name,

@@ -192,7 +192,7 @@ def bytes_per_block(workload: Workload) -> int:
     one_block = workload.workload(
         cache={**workload.cache, "pool_tokens": block_size}, batch_size=1, prompt_len=1, gen_len=1, prefix_len=0
     )
-    allocation = one_block.layout().allocation(one_block)
+    allocation = one_block.layout().allocation(one_block.kv_shape())
     return allocation.data_bytes + allocation.scale_bytes
 
 
@@ -225,7 +225,7 @@ def _pool(workload: Workload, *, max_model_len: int) -> _Pool:
     if isinstance(layout, PagedLayout):
         return _Pool(True, layout.options.block_size, bytes_per_block(workload))
     slot = _one_request(workload, prompt_len=max_model_len - 1, output_len=1, prefix_len=0)
-    allocation = layout.allocation(slot)
+    allocation = layout.allocation(slot.kv_shape())
     return _Pool(False, max_model_len, allocation.total_bytes - allocation.host_bytes)
 
 
@@ -235,11 +235,11 @@ def _units_of(pool: _Pool, w: Workload) -> tuple[int, int, int]:
     blocks excluded, plus int4's per-request tail rounded up to blocks; a slot request takes one slot throughout."""
     if not pool.paged:
         return 1, 1, 0
-    layout = w.layout()
-    shared = layout.shared_blocks(w)
-    tail = math.ceil(layout.allocation(w).tail_bytes / pool.bytes_per_unit)
+    layout, shape = w.layout(), w.kv_shape()
+    shared = layout.shared_blocks(shape)
+    tail = math.ceil(layout.allocation(shape).tail_bytes / pool.bytes_per_unit)
     admitted = blocks_for(w.prompt_len, pool.unit_tokens) - shared + tail
-    return admitted, layout.blocks_needed(w) - shared + tail, shared
+    return admitted, layout.blocks_needed(shape) - shared + tail, shared
 
 
 def _check_holds_one(pool: _Pool, budget_bytes: int, units_needed: int, *, tokens: int, field: str) -> None:
