@@ -26,14 +26,14 @@ from pathlib import Path
 
 import torch
 
+from harness.analytic.ledger import kv_bytes_per_token
 from harness.config import DTYPES, device_type
 from harness.errors import ConfigError, exit_on_config_error
-from harness.model import build_model
-from harness.model_args import ModelArgs
-from harness.plan.ledger import kv_bytes_per_token
+from harness.modeling.model import build_model
+from harness.modeling.model_args import ModelArgs
 from harness.run.versus import save_checkpoint
 from harness.serve import peer
-from harness.serve.capacity import check_pool_fits
+from harness.serve.budget import check_pool_fits
 from harness.serve.engine import Engine, build_cache, check_servable, serve
 from harness.serve.kv_manager import make_kv_manager
 from harness.serve.metrics import request_row, run_metrics
@@ -47,7 +47,7 @@ ROW_METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpo
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="small", help="a preset of harness.model_args (default: small)")
+    parser.add_argument("--model", default="small", help="a preset of harness.modeling.model_args (default: small)")
     parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda if present")
     parser.add_argument("--num-prompts", type=int, default=32)

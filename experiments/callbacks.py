@@ -17,7 +17,7 @@ from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from harness import crossover
+from harness.analytic import crossover
 from harness.config import RunConfig
 from harness.errors import ConfigError, exit_on_config_error
 from harness.run.sweep import SKIPPED
@@ -138,7 +138,8 @@ class SweepProgress(Callback):
         """A prefix sweep with a disk tier: the context above which loading the prefix beats recomputing it."""
         if "ttft_disk_ms" not in table.columns or table["ttft_disk_ms"].isna().all():
             return
-        from harness import ceilings, reuse  # torch: only a sweep that has such rows pays for it
+        from harness.analytic import reuse  # torch: only a sweep that has such rows pays for it
+        from harness.device import ceilings
 
         first = table.dropna(subset=["ttft_disk_ms"]).iloc[0]
         directory = config.get("ceilings_dir") or config.results_dir

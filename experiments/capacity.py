@@ -43,10 +43,10 @@ import pandas as pd
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from harness.analytic import ledger as planner
+from harness.analytic.runtime import GiB, default_runtime_overhead_bytes
 from harness.config import RunConfig, Workload, device_type
 from harness.errors import ConfigError, exit_on_config_error
-from harness.plan import ledger as planner
-from harness.plan.runtime import GiB, default_runtime_overhead_bytes
 from harness.run import runner
 from harness.serve import fleet
 from harness.serve.metrics import SLO_FORMS, parse_slo_ms
@@ -75,7 +75,7 @@ class CapacityConfig(Workload):
     concurrency: int | None = None  # plan: concurrent requests, the workload's batch_size (null: batch_size)
     memory_gb: float | None = None  # plan: the device's memory in GiB; null: detected (CUDA total, else RAM)
     device: str = "auto"  # auto: cuda when available, else cpu
-    runtime_overhead_gb: float | None = None  # null: measured (harness.plan.runtime.default_runtime_overhead_bytes)
+    runtime_overhead_gb: float | None = None  # null: measured (harness.analytic.runtime.default_runtime_overhead_bytes)
     # frontier
     contexts: list[int] = field(default_factory=lambda: [512, 2048, 8192])  # prompt_len + gen_len of each frontier
     max_memory_gb: float = 1.5  # the cap every probe runs under (GiB)

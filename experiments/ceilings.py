@@ -6,7 +6,7 @@
 
 The table shows both memory roofs with their spread: the streaming read (bytes read; the roofline's roof for
 decode, set against the spec's GB/s) and the copy (bytes read + written, for comparison), then each matmul dtype.
-The figures are stored as <results_dir>/ceilings/<fingerprint>.json (harness/ceilings.py) and reused by every later
+The figures are stored as <results_dir>/ceilings/<fingerprint>.json (harness/device/ceilings.py) and reused by every later
 run on the same device, this app's and the decode rows' alike; ceilings stored by an older method are measured again.
 """
 
@@ -21,8 +21,8 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from harness import ceiling_report, ceilings
 from harness.config import DEVICES
+from harness.device import ceiling_report, ceilings
 from harness.errors import ConfigError, exit_on_config_error
 
 # An absolute path: a console script (kvbench-decode, ...) calls main() from a wrapper, where Hydra would read a

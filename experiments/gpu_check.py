@@ -35,7 +35,7 @@ from experiments.sizing import (
     stage_limits,
     stage_predictions,
 )
-from harness import crossover
+from harness.analytic import crossover
 from harness.errors import exit_on_config_error
 from harness.store import disk
 
@@ -93,7 +93,7 @@ def machine_lines() -> list[str]:
 
     import torch
 
-    from harness.environment import nvidia_driver_version
+    from harness.measure.environment import nvidia_driver_version
 
     try:
         smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout.strip()

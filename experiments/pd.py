@@ -1,6 +1,6 @@
 """Prefill -> decode transfer (PD disaggregation): a prefill process sends a request's KV to a decode process over
 real transports (shm, loopback tcp, gloo; nccl on two GPUs), against context length and kv_dtype, beside colocated
-serving; then the same bytes over datasheet links (harness/spec_links.csv), extrapolated.
+serving; then the same bytes over datasheet links (harness/device/spec_links.csv), extrapolated.
 
     python -m experiments.pd                                   # the defaults of this device (conf/pd.yaml)
     python -m experiments.pd transports=[shm,tcp] contexts=[128,512] kv_dtypes=[fp32,int8] results_dir=/tmp/pd
@@ -27,12 +27,13 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from harness import disagg, environment, transport
 from harness.config import DEVICES, DTYPES, ModelConfig, device_type, resolve_dtype
+from harness.device.spec import spec_links
 from harness.errors import ConfigError, Unsupported, exit_on_config_error
 from harness.formats import BITS, KV_GROUP_SIZES
-from harness.presets import PRESETS
-from harness.spec import spec_links
+from harness.measure import environment
+from harness.modeling.presets import PRESETS
+from harness.movement import disagg, transport
 from harness.store import tables
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")

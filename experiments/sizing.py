@@ -2,7 +2,7 @@
 stages of scripts/gpu_check.sh.
 
 The time model (`point_seconds`) is an upper bound for sizing, not a figure to quote: the roofline of
-harness/roofline.py at half the datasheet peaks of harness/spec_peaks.csv, plus the host's cost of launching an eager
+harness/analytic/roofline.py at half the datasheet peaks of harness/device/spec_peaks.csv, plus the host's cost of launching an eager
 step, plus what a point pays besides its generations (model build, accuracy and profiler passes, compilation). The
 memory model (`point_bytes`) is the capacity planner's. tests/test_presets.py holds every GPU preset to both;
 tests/test_gpu_check.py holds every stage of the script to its limit.
@@ -21,13 +21,13 @@ from omegaconf import OmegaConf
 
 import experiments.decode  # noqa: F401  (registers the run_config schema that conf/config.yaml extends)
 from experiments.callbacks import sweep_jobs
-from harness import roofline
+from harness.analytic import roofline
+from harness.analytic.ledger import total_bytes, weights_bytes
+from harness.analytic.runtime import CUDA_RUNTIME_DEFAULT_BYTES
 from harness.config import RunConfig
+from harness.device.spec import spec_for
 from harness.formats import EXACT_REFERENCE
-from harness.plan.ledger import total_bytes, weights_bytes
-from harness.plan.runtime import CUDA_RUNTIME_DEFAULT_BYTES
-from harness.run.bench import is_lossy
-from harness.spec import spec_for
+from harness.run.point import is_lossy
 
 ROOT = Path(__file__).parents[1]
 CONF = ROOT / "conf"
@@ -61,7 +61,7 @@ DEFAULT_BUDGET_MIN = 10.0  # ... and to 10 minutes: a 15-minute GPU window less 
 
 @dataclass(frozen=True)
 class Gpu:
-    """A datasheet GPU (harness/spec_peaks.csv), derated by EFFICIENCY for sizing."""
+    """A datasheet GPU (harness/device/spec_peaks.csv), derated by EFFICIENCY for sizing."""
 
     name: str
     memory_gb: float  # decimal GB, as the datasheet and the presets' comments say
@@ -72,7 +72,7 @@ class Gpu:
     def from_spec(cls, name: str, *, memory_gb: float) -> Gpu:
         spec = spec_for(name)
         if spec is None:
-            raise ValueError(f"gpu: {name!r} is not in harness/spec_peaks.csv")
+            raise ValueError(f"gpu: {name!r} is not in harness/device/spec_peaks.csv")
         return cls(
             name=str(spec["device_name"].iloc[0]),
             memory_gb=memory_gb,
@@ -95,9 +95,9 @@ def step_seconds(cost: roofline.StepCost, *, gpu: Gpu, dtype: str, n_layers: int
 
 
 def generation_seconds(cfg: RunConfig, *, gpu: Gpu) -> float:
-    """One whole generation of the point: its prefill, then its gen_len - 1 decode steps (harness.decode)."""
+    """One whole generation of the point: its prefill, then its gen_len - 1 decode steps (harness.modeling.decode)."""
     shape = cfg.kv_shape()
-    # The strategy's own reads (its layout: a window caps them, `none` recomputes), as harness.run.bench asks them.
+    # The strategy's own reads (its layout: a window caps them, `none` recomputes), as harness.run.point asks them.
     layout = cfg.layout()
     costs = [roofline.prefill_cost(shape, layout=layout)]
     costs += [
@@ -108,7 +108,7 @@ def generation_seconds(cfg: RunConfig, *, gpu: Gpu) -> float:
 
 
 def point_seconds(cfg: RunConfig, *, gpu: Gpu) -> float:
-    """Upper bound on one point's wall time in a warm worker (harness.run.bench.run_point, harness.timing.measure).
+    """Upper bound on one point's wall time in a warm worker (harness.run.point.run_point, harness.measure.timing.measure).
 
     warm-up generations, then at least min_repeats and at most max_repeats, the budget max_time_s checked after
     each one past min_repeats (so one generation may overrun it); with retry_noisy, the retry of a point that did
@@ -132,8 +132,8 @@ def point_seconds(cfg: RunConfig, *, gpu: Gpu) -> float:
 
 
 def measured_seconds(cfg: RunConfig, *, generation_s: float, budget: int) -> float:
-    """Upper bound on one attempt's measured repeats (harness.timing.measure) at `budget` times max_repeats and
-    max_time_s: 1 for the first attempt, 2 for the retry (harness.timing.RepeatPolicy.retry)."""
+    """Upper bound on one attempt's measured repeats (harness.measure.timing.measure) at `budget` times max_repeats and
+    max_time_s: 1 for the first attempt, 2 for the retry (harness.measure.timing.RepeatPolicy.retry)."""
     max_repeats, max_time_s = budget * cfg.max_repeats, budget * cfg.max_time_s
     return min(max_repeats * generation_s, max(cfg.min_repeats * generation_s, max_time_s + generation_s))
 
@@ -144,7 +144,7 @@ def sweep_seconds(points: Sequence[RunConfig], *, gpu: Gpu) -> float:
 
 
 def point_bytes(cfg: RunConfig) -> int:
-    """Device memory a point needs at its peak, by the capacity planner (harness.plan.ledger.total_bytes, with the CUDA
+    """Device memory a point needs at its peak, by the capacity planner (harness.analytic.ledger.total_bytes, with the CUDA
     runtime's assumed overhead), plus what the planner leaves out: the accuracy pass of a lossy point holds an exact
     contiguous cache at the compute dtype beside the point's and two fp32 logit tensors [B, gen_len, V]."""
     workload = cfg.workload()  # the planner's view of the point

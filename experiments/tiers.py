@@ -4,7 +4,7 @@
     python -m experiments.tiers model=llama-3.1-8b kv_dtype=fp8_e4m3 block_tokens=[16,256]
     python -m experiments.tiers quick=true total_mb=4 repeats=2  # a smoke run: seconds
 
-One row per (tier, direction, block size) (harness/tier_bandwidth.py; columns: harness.store.tables.TIER_COLUMNS),
+One row per (tier, direction, block size) (harness/movement/tier_bandwidth.py; columns: harness.store.tables.TIER_COLUMNS),
 written to <results_dir>/tiers/bandwidth-<time>.parquet. The figures at the largest block size are stored in this
 device's ceilings (<results_dir>/ceilings/<fingerprint>.json: tier_gbps), measured first if there are none. On the
 CPU the device and host tier are the same RAM: the d2h and h2d rows are memory copies, and say so (same_memory).
@@ -22,11 +22,12 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from harness import ceiling_report, ceilings, tier_bandwidth
 from harness.config import DEVICES, ModelConfig, check_choice, resolve_dtype, resolve_kv_dtype
+from harness.device import ceiling_report, ceilings
 from harness.errors import ConfigError, exit_on_config_error
 from harness.formats import COMPUTE_DTYPES, KV_DTYPES
-from harness.presets import PRESETS
+from harness.modeling.presets import PRESETS
+from harness.movement import tier_bandwidth
 from harness.store.tables import TIER_COLUMNS, TIER_PREFIX, TIERS_DIR, write_table
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # absolute: see experiments/ceilings.py
@@ -39,7 +40,7 @@ log = logging.getLogger("kvbench")
 class TiersConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     results_dir: str = "results"  # the table goes to <results_dir>/tiers/, the figures to <results_dir>/ceilings/
-    # A preset (conf/model/, harness.presets.PRESETS): model=llama-3.1-8b. Its blocks' shapes only: no weights.
+    # A preset (conf/model/, harness.modeling.presets.PRESETS): model=llama-3.1-8b. Its blocks' shapes only: no weights.
     model: ModelConfig = field(default_factory=ModelConfig)
     dtype: str = "auto"  # compute dtype the blocks belong to; auto: bf16 on cuda, fp32 on cpu (the CPU quickstart's)
     kv_dtype: str = "auto"  # storage format of the blocks: auto (= dtype), a float dtype, fp8, int8, int4
@@ -99,7 +100,7 @@ class TiersConfig:
 
 def cached_row_width(model: str) -> int:
     """The width of one cached row of the preset (MLA: its latent), without building anything."""
-    from harness.model_args import ModelArgs
+    from harness.modeling.model_args import ModelArgs
 
     args = ModelArgs.from_name(model)
     return getattr(args, "cache_head_dim", args.head_dim)

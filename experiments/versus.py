@@ -24,10 +24,10 @@ from typing import NamedTuple
 import pandas as pd
 
 from harness.config import DEVICES, DTYPES, RunConfig
-from harness.environment import environment_columns
 from harness.errors import ConfigError, exit_on_config_error
+from harness.measure.environment import environment_columns
 from harness.run import runner, versus, versus_table
-from harness.run.bench import config_columns
+from harness.run.point import config_columns
 from harness.store import disk
 
 log = logging.getLogger("kvbench")
@@ -39,7 +39,7 @@ QUICK_DEFAULTS = {"model": "tiny", "batch": "1,2", "dtype": "fp32", "prompt_len"
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.versus", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help=f"a preset of harness.presets.PRESETS (default {DEFAULTS['model']})")
+    p.add_argument("--model", help=f"a preset of harness.modeling.presets.PRESETS (default {DEFAULTS['model']})")
     p.add_argument("--batch", help=f"batch sizes, comma-separated (default {DEFAULTS['batch']})")
     p.add_argument(
         "--dtype", help=f"compute dtypes, comma-separated: {', '.join(DTYPES)} (default {DEFAULTS['dtype']})"

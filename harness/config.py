@@ -5,7 +5,7 @@ harness only ever sees a validated `RunConfig`. Every check here is cheap and ru
 input fails in a second with one line naming the field and what it allows, and nothing is recorded.
 
 `Workload` is what runs: the model, the formats, the strategy and its options, the batch and the lengths. The
-capacity planner (harness.plan) takes one; `RunConfig` is one, plus how it is measured; experiments/capacity.py's
+capacity planner (harness.analytic) takes one; `RunConfig` is one, plus how it is measured; experiments/capacity.py's
 config is one, plus how the planner is asked; harness.serve.config's ServeConfig is one, plus the KV pool, the
 scheduler, the request stream and the SLOs of a serving run. A field that is not part of what a point measures says
 so in its metadata (POINT_ID), so point_id needs no list of exclusions.
@@ -24,9 +24,9 @@ from harness import kv
 from harness.errors import ConfigError
 from harness.formats import ATTN_IMPLS, COMPILE_MODES, KV_DTYPES, KV_GROUP_SIZES
 from harness.kv.quant import PLAIN
-from harness.mla import MLA_PATHS
-from harness.model_args import SUPPORTED_MODEL_TYPES, ModelArgs, load_args
-from harness.presets import PRESETS
+from harness.modeling.mla import MLA_PATHS
+from harness.modeling.model_args import SUPPORTED_MODEL_TYPES, ModelArgs, load_args
+from harness.modeling.presets import PRESETS
 
 # Compute dtypes by name -> torch dtypes. The one table is harness.kv.quant's PLAIN (the plain KV formats are the
 # compute dtypes, harness.formats.PLAIN), the lowest module that holds torch dtypes; harness.formats, torch-free,
@@ -84,7 +84,9 @@ def device_type(device: str) -> str:
 
 @dataclass
 class ModelConfig:
-    name: str = "small"  # a preset of harness.presets.PRESETS; a local checkpoint in `weights` overrides its shapes
+    name: str = (
+        "small"  # a preset of harness.modeling.presets.PRESETS; a local checkpoint in `weights` overrides its shapes
+    )
     # Resize the preset's KV heads: 1 = MQA, n_heads = MHA, between = GQA (dummy weights only). None: as the preset.
     n_kv_heads: int | None = None
 
@@ -113,7 +115,7 @@ class Workload:
     # Attention: sdpa (fused kernels, no score matrix) or eager (scores [B, H, T, S] written out, softmax, a second
     # matmul: what attention cost before FlashAttention). Eager also turns off a strategy's own decode kernels.
     attn_impl: str = field(default="sdpa", metadata={LATER_DEFAULT: "sdpa"})
-    # MLA models (harness.mla): decode attends over the latent with W_UK/W_UV absorbed, or decompresses K and V first.
+    # MLA models (harness.modeling.mla): decode attends over the latent with W_UK/W_UV absorbed, or decompresses K and V first.
     mla_path: str = field(default="absorbed", metadata={LATER_DEFAULT: "absorbed"})
 
     def __post_init__(self) -> None:
@@ -237,7 +239,7 @@ class RunConfig(Workload):
 
     device: str = "auto"  # auto: cuda when available, else cpu
     # fixed: every sequence is prompt_len + gen_len. mixed: each request's lengths drawn uniformly from
-    # [min_len_frac, 1] of them, to measure allocation waste (harness/fragmentation.py; no timing).
+    # [min_len_frac, 1] of them, to measure allocation waste (harness/measure/fragmentation.py; no timing).
     lengths: str = "fixed"
     min_len_frac: float = 0.1
     warmup: int = 1  # whole generations run before measuring, excluded from every figure
@@ -250,7 +252,9 @@ class RunConfig(Workload):
     retry_noisy: bool = field(default=True, metadata={LATER_DEFAULT: True})
     accuracy: bool = True  # lossy points (quantized KV, sliding past its window): teacher-forced error vs exact
     eval_text: str | None = None  # a local text file: perplexity with and without the lossy cache (real weights)
-    roofline: bool = True  # analytic FLOPs/bytes beside the measured ceilings of this device (harness/roofline.py)
+    roofline: bool = (
+        True  # analytic FLOPs/bytes beside the measured ceilings of this device (harness/analytic/roofline.py)
+    )
     # where measured ceilings are stored and reused; null: results_dir
     ceilings_dir: str | None = field(default=None, metadata=NOT_MEASURED)
     ceilings_quick: bool = False  # a quick, rough ceilings measurement (tests); a full one replaces it when asked
@@ -319,7 +323,7 @@ class RunConfig(Workload):
         return torch.device(device_type(self.device))
 
     def _preset_args(self, preset: str) -> ModelArgs:
-        """A measured point loads its weights: the checkpoint must hold them (harness.model_args.load_args)."""
+        """A measured point loads its weights: the checkpoint must hold them (harness.modeling.model_args.load_args)."""
         return load_args(self.weights, preset)
 
     def point_id(self) -> str:
@@ -342,7 +346,7 @@ class RunConfig(Workload):
 
 def check_mla(args: ModelArgs, *, layout: kv.Layout, mla_path: str, attn_impl: str = "sdpa") -> None:
     """MLA's latent is stored by the strategies that declare it (Layout.stores_latent); mla_path chooses between
-    MLA's two decode paths. Eager attention is not modelled for MLA (harness.plan.activations_mla counts SDPA's
+    MLA's two decode paths. Eager attention is not modelled for MLA (harness.analytic.activations_mla counts SDPA's
     transients only)."""
     check_choice("mla_path", mla_path, MLA_PATHS)
     if args.is_mla and attn_impl != "sdpa":

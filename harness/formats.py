@@ -23,7 +23,7 @@ KV_GROUP_SIZES = (32, 64)  # int4: values per quantization group
 ATTN_IMPLS = ("sdpa", "eager")
 COMPILE_MODES = ("default", "reduce-overhead")  # torch.compile's modes a decode step can take here ("none": eager)
 
-# The strategy whose K/V are exact at the compute dtype: a lossy point's accuracy reference (harness.run.bench) and
+# The strategy whose K/V are exact at the compute dtype: a lossy point's accuracy reference (harness.run.point) and
 # the dashboard's baseline, in the same workload, for ratios between strategies and formats. Here, torch-free, so
 # that the dashboard names it without importing harness.kv.
 EXACT_REFERENCE = "contiguous"

@@ -9,7 +9,7 @@ order and metadata), stay as they were: the column is inserted after kv_bytes_pr
 writer. Null, never guessed, where the planner cannot stand for the row: a model that is not a preset here (a
 checkpoint's shapes are in its config.json, which this machine may not have) or whose preset's shapes differ from
 the row's; mixed lengths (the pool held the drawn lengths, which the row does not record); a workload the planner
-refuses. A run today records the figure from its own config (harness.run.bench.planner_kv_bytes).
+refuses. A run today records the figure from its own config (harness.run.point.planner_kv_bytes).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from harness import kv
+from harness.analytic import ledger
 from harness.errors import ConfigError
-from harness.model_args import PRESETS, ModelArgs
-from harness.plan import ledger
+from harness.modeling.model_args import PRESETS, ModelArgs
 from harness.store import disk, schema
 
 log = logging.getLogger(__name__)

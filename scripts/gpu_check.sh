@@ -8,7 +8,7 @@
 #
 # Each stage runs under its own time limit (`timeout`); a stage that fails or runs out is reported and the rest go
 # on. `python -m experiments.gpu_check plan` prints every stage's limit beside its predicted time (the roofline
-# of harness/roofline.py at half the H200's datasheet peaks, plus each point's fixed costs; see that module).
+# of harness/analytic/roofline.py at half the H200's datasheet peaks, plus each point's fixed costs; see that module).
 #   setup         the wheels of .whl/ (hydra-core, omegaconf, antlr4: the GPU image lacks them) into a folder on
 #                 PYTHONPATH, and this repository on PYTHONPATH; then one python checks that torch sees the GPU
 #   ceilings      this device's copy bandwidth and matmul peaks (python -m experiments.ceilings), stored once

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from harness.model import build_model
-from harness.model_args import ModelArgs
+from harness.modeling.model import build_model
+from harness.modeling.model_args import ModelArgs
 
 # Without a GPU the Triton kernels run in Triton's interpreter, which must be on when triton itself is first
 # imported: triton.language's own @jit helpers are built then, and torch.compile (tests/test_compile.py) imports

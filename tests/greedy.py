@@ -21,10 +21,10 @@ import torch
 
 from harness import kv
 from harness.config import DTYPES, RunConfig
-from harness.decode import generate
-from harness.model import build_model
-from harness.run.bench import cache_spec, make_prompts
-from harness.timing import StepTimer
+from harness.measure.timing import StepTimer
+from harness.modeling.decode import generate
+from harness.modeling.model import build_model
+from harness.run.point import cache_spec, make_prompts
 
 # How far two computations' logits may sit apart, by the format the K/V are stored in; absolute, for logits of at most
 # a few units (the tiny preset's with dummy weights are below 1, the small preset's below 3).

@@ -6,12 +6,13 @@ import pandas as pd
 import pytest
 import torch
 
-from harness import accuracy, kv
+from harness import kv
 from harness.config import RunConfig
-from harness.decode import generate
 from harness.kv.base import CacheSpec
-from harness.run.bench import run_point
-from harness.timing import StepTimer
+from harness.measure import accuracy
+from harness.measure.timing import StepTimer
+from harness.modeling.decode import generate
+from harness.run.point import run_point
 
 CPU = torch.device("cpu")
 FAST = dict(warmup=0, min_repeats=1, max_repeats=1, isolate=False)

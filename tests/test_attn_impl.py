@@ -9,14 +9,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from harness import kv, profile
+from harness import kv
+from harness.analytic import activations
+from harness.analytic.roofline import decode_step_cost, eager_score_bytes_per_pair, prefill_cost
 from harness.config import ConfigError, RunConfig, Workload
 from harness.kv.base import CacheSpec, attention
 from harness.kv.shape import KVShape
-from harness.model import build_model
-from harness.model_args import ModelArgs
-from harness.plan import activations
-from harness.roofline import decode_step_cost, eager_score_bytes_per_pair, prefill_cost
+from harness.measure import profile
+from harness.modeling.model import build_model
+from harness.modeling.model_args import ModelArgs
 from harness.store import disk
 from tests.greedy import assert_same_greedy_tokens, greedy_with_logits
 from tests.test_capacity import PeakLiveBytes, malloc_live_bytes_probe

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from harness import bandwidth, ceilings
-from harness.bandwidth import Bandwidth
+from harness.device import bandwidth, ceilings
+from harness.device.bandwidth import Bandwidth
 
 CPU = torch.device("cpu")
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from harness import stats
 from harness.config import RunConfig
-from harness.run.bench import run_point
+from harness.measure import stats
+from harness.measure.timing import STOP_REASONS
+from harness.run.point import run_point
 from harness.run.runner import ensure_ceilings
 from harness.store.schema import COLUMNS
-from harness.timing import STOP_REASONS
 
 FAST = dict(warmup=0, min_repeats=1, max_repeats=1, isolate=False)
 

@@ -16,18 +16,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from experiments.capacity import CapacityConfig, find_frontier
 from harness import kv
+from harness.analytic import activations
+from harness.analytic import ledger as planner
+from harness.analytic.runtime import GiB
 from harness.config import DTYPES, RunConfig, Workload, resolve_model
-from harness.decode import generate, prefill
 from harness.errors import ConfigError, Unsupported
 from harness.kv.base import CacheSpec
 from harness.kv.offload import OffloadCache, SyncTransfers
 from harness.kv.offload import Options as OffloadOptions
-from harness.model import build_model
-from harness.model_args import ModelArgs
-from harness.plan import activations
-from harness.plan import ledger as planner
-from harness.plan.runtime import GiB
-from harness.timing import StepTimer
+from harness.measure.timing import StepTimer
+from harness.modeling.decode import generate, prefill
+from harness.modeling.model import build_model
+from harness.modeling.model_args import ModelArgs
 
 ROOT = Path(__file__).parents[1]
 CPU = torch.device("cpu")
@@ -144,7 +144,7 @@ def planner_model(request):
 
 
 def measured_allocation(model, dtype: str, *, cache: str, kv_dtype: str, options: dict, quant: dict) -> int:
-    """Build the real cache as harness.run.bench does, generate (int4 allocates its tail on the first write), and read
+    """Build the real cache as harness.run.point does, generate (int4 allocates its tail on the first write), and read
     kv_bytes_allocated at the peak."""
     spec = CacheSpec.for_model(
         PLANNER_ARGS,

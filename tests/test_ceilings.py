@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import bandwidth, ceiling_report, ceiling_timing, ceilings
-from harness.ceilings import Ceilings
+from harness.device import bandwidth, ceiling_report, ceiling_timing, ceilings
+from harness.device.ceilings import Ceilings
 
 ROOT = Path(__file__).parents[1]
 CPU = torch.device("cpu")

@@ -31,7 +31,7 @@ def test_memory_ledger_stacks_weights_kv_and_other_in_gib_sorted_by_context_time
 
 
 def test_memory_ledger_marks_the_analytic_formulas_weights_plus_kv_under_that_name():
-    # kv_bytes_predicted is B × S × bytes per token (harness/run/bench.py), not the planner: it says so in the legend.
+    # kv_bytes_predicted is B × S × bytes per token (harness/run/point.py), not the planner: it says so in the legend.
     predicted = trace(memory_ledger(ledger_rows()), "analytic formula (weights + KV)")
     assert list(predicted.y[:2]) == [2.5, 2.5]
     assert not [name for name in trace_names(memory_ledger(ledger_rows())) if "planner" in name]  # none given

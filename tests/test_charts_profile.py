@@ -12,7 +12,7 @@ from tests.charts_rows import frame, point, trace, trace_names
 
 
 def test_profile_categories_are_the_profilers():
-    from harness.profile import CATEGORIES
+    from harness.measure.profile import CATEGORIES
 
     assert PROFILE_CATEGORIES == CATEGORIES
 

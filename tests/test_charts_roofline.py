@@ -40,7 +40,7 @@ def test_roofline_measured_roof_is_the_lower_of_bandwidth_and_compute():
 
 def test_roofline_draws_the_datasheet_roof_dashed_for_a_known_device():
     fig = roofline(sweep({1: 10.0, 2: 10.0}))
-    spec = trace(fig, "spec roof: NVIDIA H200 SXM bf16")  # harness/spec_peaks.csv: 989.5 TFLOP/s, 4800 GB/s
+    spec = trace(fig, "spec roof: NVIDIA H200 SXM bf16")  # harness/device/spec_peaks.csv: 989.5 TFLOP/s, 4800 GB/s
     assert spec.line.dash == "dash"
     assert max(spec.y) == pytest.approx(989.5)
     assert spec.y[0] == pytest.approx(spec.x[0] * 4800 / 1000)

@@ -16,11 +16,11 @@ import torch
 
 from harness import kv
 from harness.config import RunConfig
-from harness.decode import compile_decode_step, generate
 from harness.kv.base import CacheSpec
-from harness.run.bench import run_point
+from harness.measure.timing import StepTimer
+from harness.modeling.decode import compile_decode_step, generate
+from harness.run.point import run_point
 from harness.run.runner import _guarded
-from harness.timing import StepTimer
 from tests.graphs import recording_backend
 from tests.greedy import LOGIT_TOL, assert_no_near_tie, assert_same_greedy_tokens, greedy_with_logits, point_logits
 
@@ -142,8 +142,8 @@ def test_a_combination_compile_cannot_run_is_an_unsupported_row(overrides, reaso
 def test_a_reduce_overhead_point_whose_graphs_were_skipped_is_an_error_row_that_says_so(monkeypatch):
     """The counter inductor bumps for every skipped graph decides: the figures of a step run without graphs must not
     pass for CUDA-graph figures. (reduce-overhead needs CUDA, so the compile step is stood in for here.)"""
-    from harness.decode import decode_step
-    from harness.run import bench
+    from harness.modeling.decode import decode_step
+    from harness.run import point
 
     def skipping_step(model, cache, *, mode):
         calls = []
@@ -156,8 +156,8 @@ def test_a_reduce_overhead_point_whose_graphs_were_skipped_is_an_error_row_that_
 
         return step
 
-    monkeypatch.setattr(bench, "check_compilable", lambda cache, *, mode, device: None)
-    monkeypatch.setattr(bench, "compile_decode_step", skipping_step)
+    monkeypatch.setattr(point, "check_compilable", lambda cache, *, mode, device: None)
+    monkeypatch.setattr(point, "compile_decode_step", skipping_step)
     point = dict(model={"name": "tiny"}, device="cpu", dtype="fp32", prompt_len=8, gen_len=4, compile="reduce-overhead")
     row = run_point(RunConfig(**point, **FAST)).row
     assert row["cudagraph_skips"] == 1

@@ -45,7 +45,11 @@ def test_the_compute_dtype_table_is_one_table_that_serving_and_the_kv_formats_sh
     from harness.kv import quant
 
     assert DTYPES is quant.PLAIN
-    for module in (experiments.serve, harness.serve.run, experiments.bench_serve):  # imported from here, or not there at all
+    for module in (
+        experiments.serve,
+        harness.serve.run,
+        experiments.bench_serve,
+    ):  # imported from here, or not there at all
         assert getattr(module, "DTYPES", DTYPES) is DTYPES
 
 

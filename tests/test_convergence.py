@@ -2,8 +2,8 @@
 converged, retried with twice the budget, and marked in the summary; a converged point on a quiet host is not.
 
 The hog is real: one `while True: pass` process per core, killed when the test ends. The point is real too: the
-tiny model on the CPU through harness.run.bench.run_point, its target_rse set so small that only the caps can end
-its repeats. The control's quiet host is the seam of harness.host_noise (fixed counter readings) and its steady
+tiny model on the CPU through harness.run.point.run_point, its target_rse set so small that only the caps can end
+its repeats. The control's quiet host is the seam of harness.measure.host_noise (fixed counter readings) and its steady
 repeats the stopping rule's estimator, since the machine running the tests may be shared.
 """
 
@@ -17,9 +17,9 @@ import time
 import pandas as pd
 import pytest
 
-from harness import host_noise, timing
 from harness.config import RunConfig
-from harness.run.bench import run_point
+from harness.measure import host_noise, timing
+from harness.run.point import run_point
 from harness.store import disk
 from harness.store.summary import format_summary, noise_mark
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.crossover import knee_batch, knee_table
+from harness.analytic.crossover import knee_batch, knee_table
 
 
 def sweep(tpots: dict[int, float], prompt_len: int = 128, critical_batch: float | None = 48.0) -> pd.DataFrame:

@@ -8,7 +8,7 @@ with that reason, by the CPU build's `make test`. It catches, before any GPU tim
   - data-dependent ops inside a decode step (`nonzero`, `.item()`, `_local_scalar_dense`, a boolean mask, a CPU
     index into a CUDA tensor, a blocking copy between host and device): each one is a host sync on a real GPU;
   - wrong output shapes;
-  - a cache that allocates other than the capacity planner says (harness.plan.ledger.kv_bytes_allocated);
+  - a cache that allocates other than the capacity planner says (harness.analytic.ledger.kv_bytes_allocated);
   - a compiled step that breaks its graph (fullgraph) or mutates an input that is not static (what makes CUDA graph
     trees skip the graph: tests/graphs.py).
 What cannot run without a GPU is replaced through small seams: the Triton kernels are custom ops with fake
@@ -26,14 +26,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import kv
-from harness.decode import COMPILE_MODES, compile_decode_step, decode_step, generate
+from harness.analytic import ledger
 from harness.errors import Unsupported
 from harness.kv.base import CacheSpec
 from harness.kv.quant import BITS
-from harness.model import Transformer
-from harness.model_args import ModelArgs
-from harness.plan import ledger
-from harness.timing import Sample
+from harness.measure.timing import Sample
+from harness.modeling.decode import COMPILE_MODES, compile_decode_step, decode_step, generate
+from harness.modeling.model import Transformer
+from harness.modeling.model_args import ModelArgs
 from tests.graphs import recording_backend
 
 pytestmark = pytest.mark.cuda_trace
@@ -132,7 +132,7 @@ class FakeEvent:
 
 
 class FakeTimer:
-    """harness.timing.StepTimer's interface with no CUDA events: the trace needs the marks, not the times."""
+    """harness.measure.timing.StepTimer's interface with no CUDA events: the trace needs the marks, not the times."""
 
     def __init__(self) -> None:
         self.n = 0
@@ -218,7 +218,7 @@ def fake_cuda():
 
 
 def fake_model(args: ModelArgs) -> Transformer:
-    """harness.model.build_model's model in bf16 on fake CUDA, as initialized (fake tensors hold no values)."""
+    """harness.modeling.model.build_model's model in bf16 on fake CUDA, as initialized (fake tensors hold no values)."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # Module.to(dtype) cannot swap fake parameters: make them bf16
     try:
@@ -243,7 +243,7 @@ def spec_for(args: ModelArgs, kv_dtype: str, prefix_len: int) -> CacheSpec:
 
 
 def planned_kv_bytes(args: ModelArgs, cache_name: str, kv_dtype: str, **lengths: int) -> int:
-    """harness.plan's figure for this cache at these lengths (batch_size, prompt_len, gen_len, prefix_len)."""
+    """harness.analytic's figure for this cache at these lengths (batch_size, prompt_len, gen_len, prefix_len)."""
     return ledger.kv_bytes_allocated(
         args, cache=cache_name, kv_dtype=kv_dtype, dtype=DTYPE, **OPTIONS.get(cache_name, {}), **lengths
     )
@@ -330,7 +330,7 @@ ALLOCATION = dict(batch_size=8, prompt_len=8192, gen_len=128, prefix_len=4096)
 @pytest.mark.parametrize(("cache_name", "kv_dtype"), sorted({(cache, kv_dtype) for cache, kv_dtype, _ in POINTS}))
 def test_every_cache_allocates_what_the_planner_says_at_llama_3_1_8b_scale(fake_cuda, cache_name, kv_dtype):
     """All 32 layers, batch 8 x 8320 tokens (about 35 GB of bf16 KV): the cache's own kv_bytes_allocated, after its
-    first write (when int4 allocates its full-precision tail), against harness.plan's figure."""
+    first write (when int4 allocates its full-precision tail), against harness.analytic's figure."""
     fake_mode, _ = fake_cuda
     args = ModelArgs.from_name("llama-3.1-8b")
     prefix_len = ALLOCATION["prefix_len"] if cache_name == "prefix" else 0

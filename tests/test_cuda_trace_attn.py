@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness import kv
-from harness.decode import generate
+from harness.modeling.decode import generate
 from tests.test_cuda_trace import (
     CUDA,
     GEN_LEN,

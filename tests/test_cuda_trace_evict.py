@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from harness import kv
-from harness.decode import generate
+from harness.modeling.decode import generate
 from tests import test_cuda_trace as trace
 from tests.test_cuda_trace import CUDA, GEN_LEN, FakeTimer, host_prompt, spec_for, watched_step
 

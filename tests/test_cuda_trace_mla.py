@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from harness import kv
-from harness.decode import generate
 from harness.kv.base import CacheSpec
 from harness.kv.quant import BITS
-from harness.model import Transformer
-from harness.model_args import ModelArgs
-from harness.timing import Sample
+from harness.measure.timing import Sample
+from harness.modeling.decode import generate
+from harness.modeling.model import Transformer
+from harness.modeling.model_args import ModelArgs
 from tests.test_cuda_trace import (
     CUDA,
     H200_CAPABILITY,

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from harness import kv
-from harness.decode import generate
 from harness.kv import tiers
 from harness.kv.base import CacheSpec
+from harness.modeling.decode import generate
 from tests import test_cuda_trace as trace
 from tests.test_cuda_trace import BATCH, CUDA, DTYPE, GEN_LEN, PROMPT_LEN, FakeTimer, host_prompt, watched_step
 

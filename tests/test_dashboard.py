@@ -126,7 +126,7 @@ def frontier_table() -> pd.DataFrame:
 
 
 def ops_table() -> pd.DataFrame:
-    """A top-ops table as harness.profile writes it (TOP_OPS_COLUMNS)."""
+    """A top-ops table as harness.measure.profile writes it (TOP_OPS_COLUMNS)."""
     return pd.DataFrame(
         {
             "op": ["aten::mm", "aten::bmm", "aten::_softmax"],

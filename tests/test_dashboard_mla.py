@@ -1,12 +1,12 @@
 """The memory page knows MLA: the planner's figure a run records for an MLA point (kv_bytes_planner,
-harness.run.bench.planner_kv_bytes) is its latent cache, layers × (kv_lora_rank + qk_rope_head_dim) × bytes a
+harness.run.point.planner_kv_bytes) is its latent cache, layers × (kv_lora_rank + qk_rope_head_dim) × bytes a
 token, and the ledger chart draws it beside a GQA model's four times larger KV."""
 
 from __future__ import annotations
 
 from dashboard.charts.memory import PLANNER_COLUMN, memory_ledger
 from harness.config import RunConfig
-from harness.run.bench import config_columns
+from harness.run.point import config_columns
 from tests.charts_rows import GIB, frame, point, trace
 
 TOKENS = 4096 - 32  # prompt_len; + gen_len 32
@@ -23,7 +23,7 @@ def planner_figure(model: str) -> int | None:
 
 
 def rows():
-    # As harness/run/bench.py records a row: the model's n_kv_heads and head_dim (MLA: n_heads, nope + rope).
+    # As harness/run/point.py records a row: the model's n_kv_heads and head_dim (MLA: n_heads, nope + rope).
     return frame(
         point(model="deepseek-v2-lite", n_layers=27, n_kv_heads=16, head_dim=192, batch_size=4, prompt_len=TOKENS),
         point(model="llama-3.1-8b", n_layers=32, n_kv_heads=8, head_dim=128, batch_size=4, prompt_len=TOKENS),

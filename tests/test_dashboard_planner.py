@@ -1,5 +1,5 @@
-"""The planner's KV bytes in the row (kv_bytes_planner): the real planner, harness.plan, for the point's workload,
-written by the run (harness.run.bench.planner_kv_bytes) and held to what the caches allocated, in real runs and in
+"""The planner's KV bytes in the row (kv_bytes_planner): the real planner, harness.analytic, for the point's workload,
+written by the run (harness.run.point.planner_kv_bytes) and held to what the caches allocated, in real runs and in
 the committed reference rows (whose figures scripts/backfill_kv_bytes_planner.py filled in from their columns).
 
 The memory page shows it beside kv_bytes_predicted, the seed notes' formula B × S × bytes per token (no scales, no
@@ -19,7 +19,7 @@ import pytest
 
 from dashboard import data
 from harness.config import RunConfig
-from harness.run.bench import config_columns, run_point
+from harness.run.point import config_columns, run_point
 from harness.store import disk
 
 REPO = Path(__file__).resolve().parents[1]
@@ -165,7 +165,7 @@ def test_the_backfill_inserts_the_column_and_leaves_every_other_cell_and_field(t
 
 def test_the_dashboards_loaders_import_without_torch():
     # A fresh interpreter (this one has torch: tests/conftest.py). The planner's figure is a column of the row: the
-    # dashboard never imports harness.plan, which imports torch.
+    # dashboard never imports harness.analytic, which imports torch.
     probe = "import sys, dashboard.data, dashboard.sidebar; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

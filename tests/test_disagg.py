@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from experiments import pd as pd_app
-from harness import disagg, transport
-from harness.decode import decode_step, prefill
+from harness.device.spec import spec_links
 from harness.kv.base import CacheSpec
 from harness.kv.contiguous import ContiguousCache, Options
-from harness.model import build_model
-from harness.model_args import ModelArgs
-from harness.spec import spec_links
+from harness.modeling.decode import decode_step, prefill
+from harness.modeling.model import build_model
+from harness.modeling.model_args import ModelArgs
+from harness.movement import disagg, transport
 from harness.store import tables
 from tests.greedy import LOGIT_TOL, greedy_with_logits, top1_margins
 

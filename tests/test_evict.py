@@ -7,17 +7,17 @@ import pytest
 import torch
 
 from harness import kv
+from harness.analytic import ledger
 from harness.config import RunConfig
-from harness.decode import generate
 from harness.errors import ConfigError, Unsupported
 from harness.kv import varlen
 from harness.kv.base import CacheSpec
-from harness.model import build_model
-from harness.model_args import ModelArgs
-from harness.plan import ledger
+from harness.measure.timing import StepTimer
+from harness.modeling.decode import generate
+from harness.modeling.model import build_model
+from harness.modeling.model_args import ModelArgs
 from harness.run import runner
-from harness.run.bench import config_columns, run_point
-from harness.timing import StepTimer
+from harness.run.point import config_columns, run_point
 from tests.greedy import LogitRecorder
 
 CPU = torch.device("cpu")

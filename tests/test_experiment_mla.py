@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 import experiments.decode  # noqa: F401  (registers run_config in Hydra's ConfigStore)
 from experiments.callbacks import sweep_jobs, validate_points
 from harness.config import RunConfig
-from harness.presets import PRESETS
+from harness.modeling.presets import PRESETS
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

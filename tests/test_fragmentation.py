@@ -8,9 +8,9 @@ import torch
 
 from harness.config import RunConfig
 from harness.errors import Unsupported
-from harness.fragmentation import request_lengths, waste_columns
 from harness.kv.base import CacheSpec
-from harness.run.bench import run_point
+from harness.measure.fragmentation import request_lengths, waste_columns
+from harness.run.point import run_point
 
 MIXED = dict(model={"name": "tiny"}, dtype="fp32", lengths="mixed", batch_size=24, prompt_len=200, gen_len=100)
 

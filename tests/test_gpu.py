@@ -11,12 +11,12 @@ import torch
 
 from harness import kv
 from harness.config import RunConfig
-from harness.decode import generate
 from harness.kv.base import CacheSpec
-from harness.model import build_model
-from harness.nvml import device_handle, load_nvml
+from harness.measure.nvml import device_handle, load_nvml
+from harness.measure.timing import StepTimer
+from harness.modeling.decode import generate
+from harness.modeling.model import build_model
 from harness.run.runner import run_point
-from harness.timing import StepTimer
 from tests.greedy import LOGIT_TOL, assert_same_greedy_tokens, greedy_with_logits
 
 pytestmark = pytest.mark.gpu
@@ -184,7 +184,7 @@ def test_the_paged_and_contiguous_kernels_generate_the_eager_gather_tokens_in_fp
      ("paged", "reduce-overhead", "fp32", "triton-paged"), ("paged", "reduce-overhead", "int8", "triton-paged")],
 )  # fmt: skip
 def test_a_compiled_decode_on_cuda_generates_the_eager_tokens(tiny_args, cache_name, mode, kv_dtype, backend):
-    from harness.decode import compile_decode_step, cudagraph_skips
+    from harness.modeling.decode import compile_decode_step, cudagraph_skips
 
     model = build_model(tiny_args, weights="dummy", dtype=torch.float32, device=CUDA, seed=0, n_positions=64)
     prompt = torch.randint(tiny_args.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0)).to(CUDA)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness import host_noise
-from harness.host_noise import HostNoiseWindow
+from harness.measure import host_noise
+from harness.measure.host_noise import HostNoiseWindow
 
 
 class FakeHost:

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from harness import kv
-from harness.decode import generate
 from harness.errors import KVPoolExhausted
 from harness.kv.base import CacheSpec
-from harness.timing import StepTimer
+from harness.measure.timing import StepTimer
+from harness.modeling.decode import generate
 from tests.greedy import LOGIT_TOL, LogitRecorder, assert_same_greedy_tokens
 
 CPU = torch.device("cpu")

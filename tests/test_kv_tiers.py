@@ -12,12 +12,12 @@ import torch
 
 from harness import kv
 from harness.config import RunConfig
-from harness.decode import generate
 from harness.kv import block_file, tiers
 from harness.kv.base import CacheSpec
 from harness.kv.prefix import block_hashes
-from harness.run.bench import run_point
-from harness.timing import StepTimer
+from harness.measure.timing import StepTimer
+from harness.modeling.decode import generate
+from harness.run.point import run_point
 from tests.greedy import LOGIT_TOL, assert_same_greedy_tokens, greedy_with_logits
 
 CPU = torch.device("cpu")

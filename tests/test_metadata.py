@@ -13,9 +13,10 @@ import pandas as pd
 import pytest
 import torch
 
-from harness import ceilings, environment, nvml
 from harness.config import RunConfig
-from harness.run import bench
+from harness.device import ceilings
+from harness.measure import environment, nvml
+from harness.run import point
 from harness.store import cli, diff, disk
 
 
@@ -32,16 +33,16 @@ def test_environment_columns_name_the_machine_and_the_software():
 
 def test_config_json_is_the_resolved_config():
     cfg = RunConfig(model={"name": "tiny"}, batch_size=3, cache={"name": "paged", "block_size": 32})
-    config = json.loads(bench.config_columns(cfg)["config_json"])
+    config = json.loads(point.config_columns(cfg)["config_json"])
     assert config["batch_size"] == 3 and config["cache"] == {"name": "paged", "block_size": 32}
     assert config["model"]["name"] == "tiny"
 
 
 def test_diff_lists_what_changed_between_two_rows(tmp_path, capsys):
-    for batch_size, point in ((1, "aaaa1111"), (4, "bbbb2222")):
+    for batch_size, point_id in ((1, "aaaa1111"), (4, "bbbb2222")):
         cfg = RunConfig(model={"name": "tiny"}, batch_size=batch_size)
-        row = bench.config_columns(cfg) | environment.environment_columns(torch.device("cpu"))
-        disk.write_point(row | {"point_id": point, "sweep_id": "s", "status": "ok"}, tmp_path)
+        row = point.config_columns(cfg) | environment.environment_columns(torch.device("cpu"))
+        disk.write_point(row | {"point_id": point_id, "sweep_id": "s", "status": "ok"}, tmp_path)
     assert cli.main(["diff", str(tmp_path), "aaaa", "bbbb"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "batch_size: 1 -> 4" in out and "config.batch_size: 1 -> 4" in out
@@ -55,7 +56,7 @@ def test_diff_lists_what_changed_between_two_rows(tmp_path, capsys):
 def test_config_json_round_trips_to_the_same_run_config():
     cfg = RunConfig(model={"name": "tiny", "n_kv_heads": 1}, batch_size=2, cache={"name": "paged", "block_size": 16})
 
-    assert RunConfig(**json.loads(bench.config_columns(cfg)["config_json"])) == cfg
+    assert RunConfig(**json.loads(point.config_columns(cfg)["config_json"])) == cfg
 
 
 def test_config_json_is_strict_json_even_for_an_infinite_budget():
@@ -64,12 +65,12 @@ def test_config_json_is_strict_json_even_for_an_infinite_budget():
     def refuse(constant):
         raise AssertionError(f"{constant} is not JSON")
 
-    assert json.loads(bench.config_columns(cfg)["config_json"], parse_constant=refuse)["max_time_s"] == "inf"
+    assert json.loads(point.config_columns(cfg)["config_json"], parse_constant=refuse)["max_time_s"] == "inf"
 
 
 def test_the_new_columns_are_written_and_read_back_with_their_types(tmp_path):
     cfg = RunConfig(model={"name": "tiny"})
-    row = bench.config_columns(cfg) | environment.environment_columns(torch.device("cpu")) | {"status": "ok"}
+    row = point.config_columns(cfg) | environment.environment_columns(torch.device("cpu")) | {"status": "ok"}
     disk.write_point(row, tmp_path)
 
     loaded = disk.load(tmp_path).iloc[0]
@@ -104,7 +105,7 @@ def test_no_nvml_leaves_the_driver_version_null(monkeypatch, failure):
 
 def write_run(directory, point_id, started_at, batch_size=1):
     cfg = RunConfig(model={"name": "tiny"}, batch_size=batch_size)
-    row = bench.config_columns(cfg) | environment.environment_columns(torch.device("cpu"))
+    row = point.config_columns(cfg) | environment.environment_columns(torch.device("cpu"))
     row |= {"point_id": point_id, "sweep_id": "s", "status": "ok", "started_at": started_at}
     disk.write_point(row, directory)
 

@@ -1,4 +1,4 @@
-"""MLA (harness.mla, harness.model_args, the latent cache of harness.kv): both decode paths equal transformers'
+"""MLA (harness.modeling.mla, harness.modeling.model_args, the latent cache of harness.kv): both decode paths equal transformers'
 DeepseekV2/V3 logits in fp32, the cache holds the latent alone in every layout and format, and bad checkpoints fail
 with one line naming the field."""
 
@@ -12,9 +12,9 @@ import torch
 from harness import kv
 from harness.errors import ConfigError
 from harness.kv.base import CacheSpec
-from harness.model import Transformer, build_model
-from harness.model_args import ModelArgs, load_args
-from harness.presets import PRESETS
+from harness.modeling.model import Transformer, build_model
+from harness.modeling.model_args import ModelArgs, load_args
+from harness.modeling.presets import PRESETS
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""harness/model.py and harness/model_args.py: the decoder matches Hugging Face's, presets have the real models'
+"""harness/modeling/model.py and harness/modeling/model_args.py: the decoder matches Hugging Face's, presets have the real models'
 sizes, the description imports without torch, and bad input fails with one line naming the field."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from harness.kv.base import CacheSpec
 from harness.kv.contiguous import ContiguousCache
 from harness.kv.contiguous import Options as ContiguousOptions
 from harness.kv.none import NoCache, Options
-from harness.model import Transformer, build_model, weights_bytes
-from harness.model_args import ModelArgs, load_args
-from harness.presets import PRESETS
+from harness.modeling.model import Transformer, build_model, weights_bytes
+from harness.modeling.model_args import ModelArgs, load_args
+from harness.modeling.presets import PRESETS
 
 transformers = pytest.importorskip("transformers")
 
@@ -236,7 +236,7 @@ def test_unknown_preset_is_a_one_line_error_naming_model() -> None:
 def test_the_model_description_imports_without_torch() -> None:
     # A fresh interpreter: this one has torch already (tests/conftest.py). A model's shapes, presets and config.json
     # are plain data; reading them should not cost torch's seconds of start-up.
-    probe = "import sys, harness.model_args; print('torch' in sys.modules)"
+    probe = "import sys, harness.modeling.model_args; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

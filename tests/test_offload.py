@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from harness import kv
-from harness.decode import generate
 from harness.errors import Unsupported
 from harness.kv.base import CacheSpec
 from harness.kv.offload import OffloadCache, Options, SyncTransfers
-from harness.timing import StepTimer
+from harness.measure.timing import StepTimer
+from harness.modeling.decode import generate
 from tests.greedy import LOGIT_TOL, assert_same_greedy_tokens, greedy_with_logits
 
 CPU = torch.device("cpu")

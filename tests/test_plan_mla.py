@@ -7,10 +7,10 @@ Bytes per token = layers × (kv_lora_rank + qk_rope_head_dim) × bytes (DeepSeek
 
 import pytest
 
+from harness.analytic.activations import forward_bytes
+from harness.analytic.ledger import kv_bytes_allocated, kv_bytes_per_token, ledger
 from harness.config import Workload
-from harness.plan.activations import forward_bytes
-from harness.plan.ledger import kv_bytes_allocated, kv_bytes_per_token, ledger
-from harness.serve.capacity import kv_budget, predict_concurrency
+from harness.serve.budget import kv_budget, predict_concurrency
 from harness.serve.requests import Request
 
 LATENT_ROW = 512 + 64  # kv_lora_rank + qk_rope_head_dim: c_kv and the shared RoPE key

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from harness import kv
-from harness.decode import generate, prefill
 from harness.errors import Unsupported
 from harness.kv.base import CacheSpec
-from harness.timing import StepTimer
+from harness.measure.timing import StepTimer
+from harness.modeling.decode import generate, prefill
 from tests.greedy import LOGIT_TOL, assert_same_greedy_tokens, greedy_with_logits
 
 CPU = torch.device("cpu")
@@ -210,7 +210,7 @@ def test_prefix_options_are_paged_options_validated_by_name():
 
 def test_a_prefix_point_records_the_hit_the_miss_and_the_bytes_shared():
     from harness.config import RunConfig
-    from harness.run.bench import run_point
+    from harness.run.point import run_point
 
     row = run_point(
         RunConfig(
@@ -237,7 +237,7 @@ def test_a_prefix_point_records_the_hit_the_miss_and_the_bytes_shared():
 def test_a_prefix_point_without_a_shared_block_measures_as_paged(prefix_len):
     """Issue #27 item 1: cache=prefix with nothing to share was an `error` row (IndexError in prefix_columns)."""
     from harness.config import RunConfig
-    from harness.run.bench import run_point
+    from harness.run.point import run_point
 
     config = dict(model={"name": "tiny"}, dtype="fp32", batch_size=2, prompt_len=24, prefix_len=prefix_len, gen_len=4,
                   warmup=1, min_repeats=2, max_repeats=2, isolate=False)  # fmt: skip

@@ -5,9 +5,9 @@ memory or time than it says wastes one. Each preset under conf/experiment/ named
 with Hydra's compose API as `python -m experiments.decode experiment=NAME` composes it, and its sweep expanded as
 Hydra's basic sweeper expands it (experiments.sizing.preset_points). Its leading comment claims `<N> GB GPU` (else
 an 80 GB H100) and `at most <M> min on an H100|H200` (else 10 minutes on an H100):
-    memory  harness.plan's planner (weights, RoPE tables, the CUDA runtime, the strategy's KV, the activations'
+    memory  harness.analytic's planner (weights, RoPE tables, the CUDA runtime, the strategy's KV, the activations'
             peak) plus the accuracy pass of lossy points, against N decimal GB
-    time    experiments.sizing.sweep_seconds: per point, generations (prefill + decode steps by harness.roofline at
+    time    experiments.sizing.sweep_seconds: per point, generations (prefill + decode steps by harness.analytic.roofline at
             half the datasheet peaks, plus the host's launches of an eager step) x (warm-up + repeats, max_time_s
             bounding the repeats past min_repeats), the accuracy and profiler passes, compilation and the model
             build; per sweep, its start and its first worker. An upper bound, against M minutes

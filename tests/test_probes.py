@@ -1,4 +1,4 @@
-"""The CUDA probes on a CPU: a fake pynvml (the few functions harness.nvml calls) and a fake torch.cuda stand in.
+"""The CUDA probes on a CPU: a fake pynvml (the few functions harness.measure.nvml calls) and a fake torch.cuda stand in.
 
 What they check is NVML's part of a row: which GPU is watched, which window the energy and clocks cover, where
 peak_mem_bytes comes from, and that an NVML error costs a column, never the point or the sampler thread.
@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from harness import probes
 from harness.config import RunConfig
-from harness.nvml import NvmlSampler
-from harness.probes import MemoryProbe
+from harness.measure import probes
+from harness.measure.nvml import NvmlSampler
+from harness.measure.probes import MemoryProbe
+from harness.measure.timing import RepeatPolicy, Sample, measure
 from harness.run import runner
-from harness.timing import RepeatPolicy, Sample, measure
 
 CUDA0 = torch.device("cuda", 0)
 GiB = 2**30
@@ -64,7 +64,7 @@ class FakeGpu:
 
 
 class FakeNvml:
-    """The pynvml functions harness.nvml calls, over a machine of `n_gpus` GPUs. `faults[name]` is a queue, one entry per
+    """The pynvml functions harness.measure.nvml calls, over a machine of `n_gpus` GPUs. `faults[name]` is a queue, one entry per
     call of that function: an exception to raise, or None to answer; an empty queue answers."""
 
     NVMLError = NVMLError
@@ -184,7 +184,7 @@ class FakeClock:
 def nvml(monkeypatch) -> FakeNvml:
     fake = FakeNvml()
     fake.gpus[0].processes = [(os.getpid(), 5 * GiB)]
-    monkeypatch.setattr("harness.nvml.load_nvml", lambda: fake)
+    monkeypatch.setattr("harness.measure.nvml.load_nvml", lambda: fake)
     return fake
 
 
@@ -197,7 +197,7 @@ def probe_on(nvml: FakeNvml, physical: int = 0, **kwargs) -> MemoryProbe:
 
 def test_nvml_watches_the_gpu_torch_runs_on_by_uuid_not_by_index(monkeypatch):
     fake = FakeNvml(n_gpus=4)
-    monkeypatch.setattr("harness.nvml.load_nvml", lambda: fake)
+    monkeypatch.setattr("harness.measure.nvml.load_nvml", lambda: fake)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # SLURM's doing: torch's cuda:0 is the machine's GPU 3
     fake.gpus[3].used_bytes = 7 * GiB
     probe = probe_on(fake, physical=3)
@@ -304,7 +304,7 @@ def test_the_sampler_thread_survives_an_nvml_error_records_the_first_and_logs_it
     nvml.on_call = lambda name: nvml.calls["nvmlDeviceGetMemoryInfo"] >= 8 and enough.set()
     sampler = NvmlSampler(FakeCuda(nvml).properties, nvml=nvml, interval_s=0.001)
     assert sampler.used_bytes() == nvml.gpus[0].used_bytes
-    with caplog.at_level(logging.WARNING, logger="harness.nvml"), sampler:
+    with caplog.at_level(logging.WARNING, logger="harness.measure.nvml"), sampler:
         assert enough.wait(timeout=60), "the sampler thread stopped sampling after the NVML error"
     assert sampler.error == "nvmlDeviceGetMemoryInfo: NVMLError_Unknown: Unknown Error"
     assert sum("nvmlDeviceGetMemoryInfo" in record.getMessage() for record in caplog.records) == 1
@@ -372,7 +372,7 @@ def test_peak_mem_bytes_is_nvml_s_view_of_this_process_where_nvml_lists_its_pid(
 def test_in_a_pid_namespace_peak_mem_bytes_is_the_reserved_peak_and_a_warning_says_why(nvml, caplog):
     nvml.gpus[0].processes = [(4242, 5 * GiB)]  # the host's PID of this very process: it does not match os.getpid()
     probe = probe_on(nvml)
-    with caplog.at_level(logging.WARNING, logger="harness.probes"):
+    with caplog.at_level(logging.WARNING, logger="harness.measure.probes"):
         probe.baseline()
     with probe:
         pass

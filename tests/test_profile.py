@@ -10,10 +10,8 @@ from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
 from harness import kv
-from harness.decode import generate
 from harness.kv.base import CacheSpec
-from harness.model import weights_bytes
-from harness.profile import (
+from harness.measure.profile import (
     CATEGORIES,
     OPS,
     TOP_OPS_COLUMNS,
@@ -23,7 +21,9 @@ from harness.profile import (
     classify,
     profile_decode,
 )
-from harness.timing import StepTimer
+from harness.measure.timing import StepTimer
+from harness.modeling.decode import generate
+from harness.modeling.model import weights_bytes
 
 CPU = torch.device("cpu")
 BATCH, PROMPT_LEN, N_STEPS = 2, 8, 3

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from harness import kv
-from harness.decode import generate
 from harness.errors import Unsupported
 from harness.kv.base import CacheSpec
 from harness.kv.quant import (
@@ -18,7 +17,8 @@ from harness.kv.quant import (
     token_codec,
     unpack_int4,
 )
-from harness.timing import StepTimer
+from harness.measure.timing import StepTimer
+from harness.modeling.decode import generate
 
 CPU = torch.device("cpu")
 # One rounding errs by at most half the spacing between neighbours (2^-4 relative for e4m3's 3 mantissa bits, 2^-3

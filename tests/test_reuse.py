@@ -8,8 +8,8 @@ import types
 import pandas as pd
 import pytest
 
-from harness import reuse
-from harness.model_args import ModelArgs
+from harness.analytic import reuse
+from harness.modeling.model_args import ModelArgs
 
 LLAMA = ModelArgs.from_name("llama-3.1-8b")
 H200ISH = dict(peak_tflops=900.0)  # a round figure: only the relations below matter

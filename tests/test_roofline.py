@@ -10,14 +10,15 @@ import pandas as pd
 import pytest
 import torch
 
-from harness import ceilings, kv
+from harness import kv
+from harness.analytic.roofline import DENSE, decode_step_cost, kv_bytes_per_token_read, mean_decode_cost, prefill_cost
+from harness.analytic.roofline_row import critical_batch, critical_context, ridge_point, roofline_columns
 from harness.config import RunConfig, Workload
+from harness.device import ceilings
 from harness.kv.base import CacheSpec
 from harness.kv.shape import KVShape
-from harness.model_args import ModelArgs
-from harness.roofline import DENSE, decode_step_cost, kv_bytes_per_token_read, mean_decode_cost, prefill_cost
-from harness.roofline_row import critical_batch, critical_context, ridge_point, roofline_columns
-from harness.run import bench
+from harness.modeling.model_args import ModelArgs
+from harness.run import point
 
 BF16 = dict(dtype="bf16", kv_dtype="bf16")
 H100 = dict(peak_bw_gbps=3350.0, peak_tflops=989.0)  # H100 SXM datasheet: 3.35 TB/s HBM3, 989 TFLOP/s dense bf16
@@ -320,7 +321,7 @@ def bench_columns(results_dir: Path, tpot_ms: float = 20.0) -> dict:
     cfg = RunConfig(
         model={"name": "small"}, device="cpu", dtype="fp32", prompt_len=16, gen_len=4, results_dir=str(results_dir)
     )
-    return bench.roofline_columns(cfg, args=cfg.model_args(), tpot_ms=tpot_ms)
+    return point.roofline_columns(cfg, args=cfg.model_args(), tpot_ms=tpot_ms)
 
 
 def test_a_row_is_judged_against_the_read_roof_and_carries_both(tmp_path):

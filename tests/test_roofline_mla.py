@@ -1,4 +1,4 @@
-"""The roofline of MLA (harness.roofline_mla): its weights, its KV read, and the two decode paths' FLOPs and bytes.
+"""The roofline of MLA (harness.analytic.roofline_mla): its weights, its KV read, and the two decode paths' FLOPs and bytes.
 
 Attention's own intensity is the slope of a decode step in the context: one key more adds its FLOPs (every query
 head against it) and its bytes (the cached row, and naive's decompressed K/V), whatever the matmuls and weights do.
@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 
+from harness.analytic.roofline import decode_step_cost, kv_bytes_per_token_read, prefill_cost
+from harness.analytic.roofline_row import roofline_columns
 from harness.config import Workload
 from harness.kv.shape import KVShape
-from harness.model_args import ModelArgs
-from harness.roofline import decode_step_cost, kv_bytes_per_token_read, prefill_cost
-from harness.roofline_row import roofline_columns
+from harness.modeling.model_args import ModelArgs
 
 V2_LITE = ModelArgs.from_name("deepseek-v2-lite")
 V3 = ModelArgs.from_name("deepseek-v3")
@@ -103,7 +103,9 @@ def test_a_prefill_runs_decompressed_whatever_the_decode_path():
     nope, rope, v = V2_LITE.qk_nope_head_dim, V2_LITE.qk_rope_head_dim, V2_LITE.v_head_dim
     shape = dict(model=V2_LITE, batch_size=2, prompt_len=64, dtype="bf16", kv_dtype="bf16")
     naive, absorbed = (prefill_cost(KVShape(mla_path=path, **shape)) for path in ("naive", "absorbed"))
-    assert naive == absorbed  # harness.mla: a forward of several tokens decompresses, as vLLM's MLA prefill does
+    assert (
+        naive == absorbed
+    )  # harness.modeling.mla: a forward of several tokens decompresses, as vLLM's MLA prefill does
     pairs = 64 * 65 // 2  # causal (query, key) pairs of one prompt
     kv_b = 2 * rank * heads * (nope + v)  # kv_b_proj over one latent
     naive_layer = 64 * kv_b + pairs * 2 * heads * (nope + rope + v)  # 64 visible keys decompressed once

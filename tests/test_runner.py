@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from harness.config import RunConfig
-from harness.run import bench, runner
+from harness.run import point, runner
 from harness.run.point_result import PointResult
 from harness.store.schema import COLUMNS
 
@@ -33,7 +33,7 @@ def test_a_failed_point_is_a_result_whose_row_says_why(monkeypatch, raised, stat
     def build_model(*args, **kwargs):
         raise raised
 
-    monkeypatch.setattr(bench, "build_model", build_model)
+    monkeypatch.setattr(point, "build_model", build_model)
     result = runner.run_point(RunConfig(**POINT, isolate=False))
     assert result.row["status"] == status and str(raised) in result.row["error"] and result.ops is None
     assert result.row["point_id"] == RunConfig(**POINT).point_id()

@@ -1,7 +1,7 @@
-"""The planner's answer for a serving setup (harness.serve.capacity): the KV budget, blocks, predicted concurrency
+"""The planner's answer for a serving setup (harness.serve.budget): the KV budget, blocks, predicted concurrency
 per strategy, and the fleet formulas.
 
-Every expected figure is computed here from the planner's own functions (harness.plan.ledger, harness.plan.
+Every expected figure is computed here from the planner's own functions (harness.analytic.ledger, harness.analytic.
 activations) or in closed form from a preset's shapes, never copied from the module under test. The "small" preset
 (12 layers, 4 KV heads of head_dim 64) makes a bf16 token 2 × 12 × 4 × 64 × 2 = 12,288 bytes of K and V.
 """
@@ -12,13 +12,13 @@ import math
 
 import pytest
 
+from harness.analytic.activations import forward_bytes
+from harness.analytic.ledger import buffers_bytes, kv_bytes_per_token, weights_bytes
+from harness.analytic.runtime import GiB
 from harness.config import Workload
 from harness.errors import ConfigError
-from harness.model_args import ModelArgs
-from harness.plan.activations import forward_bytes
-from harness.plan.ledger import buffers_bytes, kv_bytes_per_token, weights_bytes
-from harness.plan.runtime import GiB
-from harness.serve.capacity import (
+from harness.modeling.model_args import ModelArgs
+from harness.serve.budget import (
     bytes_per_block,
     concurrency_needed,
     kv_budget,

@@ -1,5 +1,5 @@
 """The serving engine against solo decoding (issue #16 item 6): in fp32, every request's greedy tokens equal the
-same prompt decoded alone by harness.decode.generate through a batch-1 contiguous cache, whatever else shares its
+same prompt decoded alone by harness.modeling.decode.generate through a batch-1 contiguous cache, whatever else shares its
 iterations: mixed prompt and output lengths, prompts chunked across iterations, preemption (a pool too small for
 everyone, by recompute and by swap), prefix hits, and a sliding window (against harness.kv.sliding's ring).
 
@@ -16,8 +16,8 @@ import torch
 from harness import kv
 from harness.errors import Unsupported
 from harness.kv.base import CacheSpec
-from harness.model import build_model
-from harness.model_args import ModelArgs
+from harness.modeling.model import build_model
+from harness.modeling.model_args import ModelArgs
 from harness.serve.engine import Engine, build_cache, serve
 from harness.serve.kv_manager import make_kv_manager
 from harness.serve.requests import Request, RequestSpec, generate, prompt_token_ids

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 import experiments.serve  # noqa: F401  (registers serve_config in Hydra's ConfigStore)
 from harness.config import Workload
 from harness.errors import ConfigError
-from harness.serve import capacity
+from harness.serve import budget
 from harness.serve import run as app
 from harness.serve.config import ServeConfig
 from harness.serve.rows import FAILED, FINISHED, RUNNING, load_run, read_manifest, serve_run_dir
@@ -146,7 +146,7 @@ def test_bad_input_from_the_command_line_is_one_line_and_writes_nothing(tmp_path
 
 
 def test_a_pool_larger_than_the_free_memory_is_one_config_error_naming_both_figures(monkeypatch):
-    monkeypatch.setattr(capacity, "free_memory_bytes", lambda device: 2**30)  # 1 GiB free, whatever the host has
+    monkeypatch.setattr(budget, "free_memory_bytes", lambda device: 2**30)  # 1 GiB free, whatever the host has
     stream = ("prompt_len=40", "output_len=8", "num_prompts=4")
     with pytest.raises(ConfigError, match=r"kv_memory_gb: a KV pool of 1.5 GiB is more than the 1 GiB of available"):
         app.plan(config(*TINY, *stream, "kv_memory_gb=1.5"))

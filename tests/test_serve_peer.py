@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from harness.errors import ConfigError
-from harness.model_args import ModelArgs
+from harness.modeling.model_args import ModelArgs
 from harness.run import versus
 from harness.serve.peer import run_transformers_cb
 from harness.serve.requests import Request, prompt_token_ids

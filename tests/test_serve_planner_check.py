@@ -1,6 +1,6 @@
 """The planner, checked against the scheduler (issue #16 item 7, ahead of the engine): at one KV budget and one
 request set, the most requests harness.serve.scheduler runs at once (simulated: its block accounting, no model)
-sits within 10% of harness.serve.capacity's prediction, and the strategies order as the seed notes say: paged fits
+sits within 10% of harness.serve.budget's prediction, and the strategies order as the seed notes say: paged fits
 more than contiguous, fp8 more than bf16. Two independent computations: the planner sums the layouts' bytes, the
 scheduler admits, grows and preempts block by block. The engine's measured concurrency will be held to the same."""
 
@@ -10,9 +10,9 @@ import functools
 
 import pytest
 
+from harness.analytic.ledger import kv_bytes_per_token
 from harness.config import Workload
-from harness.plan.ledger import kv_bytes_per_token
-from harness.serve.capacity import bytes_per_block, predict_concurrency
+from harness.serve.budget import bytes_per_block, predict_concurrency
 from harness.serve.kv_manager import make_kv_manager, num_blocks_for
 from harness.serve.requests import RequestSpec, generate
 from harness.serve.scheduler import Scheduler, SchedulerConfig, simulate

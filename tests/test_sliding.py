@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from harness import kv
-from harness.decode import generate
 from harness.errors import Unsupported
 from harness.kv.base import CacheSpec
-from harness.timing import StepTimer
+from harness.measure.timing import StepTimer
+from harness.modeling.decode import generate
 from tests.greedy import LOGIT_TOL
 
 CPU = torch.device("cpu")

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from harness import stats
+from harness.measure import stats
 
 
 def test_median_rse_is_zero_for_equal_values_and_inf_for_one():

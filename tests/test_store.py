@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from experiments.capacity import CapacityConfig, frontier_rows
-from harness import ceiling_report, ceilings
+from harness.device import ceiling_report, ceilings
 from harness.store import atomic, disk
 from harness.store.schema import FRONTIER_COLUMNS, columns_markdown
 from harness.store.summary import format_summary, text_table

@@ -22,20 +22,21 @@ from omegaconf import OmegaConf
 
 import experiments.serve  # noqa: F401  (registers serve_config in Hydra's ConfigStore)
 from harness import kv
+from harness.analytic import ledger as planner
+from harness.analytic.roofline import decode_step_cost, kv_bytes_per_token_read
+from harness.analytic.roofline_row import roofline_columns
 from harness.config import RunConfig, Workload
-from harness.decode import generate
 from harness.errors import ConfigError, Unsupported
 from harness.formats import DTYPE_BYTES, PLAIN, QUANTIZED
 from harness.kv import varlen
 from harness.kv.base import CacheSpec, KVAllocation, Layout, Serving, grouped_attention
 from harness.kv.quant import storage_format
-from harness.model import build_model
-from harness.model_args import ModelArgs
-from harness.plan import ledger as planner
-from harness.roofline import decode_step_cost, kv_bytes_per_token_read
-from harness.roofline_row import roofline_columns
+from harness.measure.timing import StepTimer
+from harness.modeling.decode import generate
+from harness.modeling.model import build_model
+from harness.modeling.model_args import ModelArgs
 from harness.run import sweep
-from harness.run.bench import config_columns
+from harness.run.point import config_columns
 from harness.serve import run as serve_run
 from harness.serve.config import ServeConfig
 from harness.serve.engine import Engine, build_cache, serve
@@ -44,7 +45,6 @@ from harness.serve.requests import RequestSpec, prompt_token_ids
 from harness.serve.requests import generate as generate_requests
 from harness.serve.rows import serve_run_dir
 from harness.serve.scheduler import Scheduler, SchedulerConfig
-from harness.timing import StepTimer
 from tests.greedy import LOGIT_TOL, assert_same_greedy_tokens, greedy_with_logits
 
 NAME = "lastk"

@@ -1,4 +1,4 @@
-"""The tiers experiment (harness/tier_bandwidth.py, experiments/tiers.py): a row per (tier, direction, block size)
+"""The tiers experiment (harness/movement/tier_bandwidth.py, experiments/tiers.py): a row per (tier, direction, block size)
 whose GB/s is its bytes over its seconds, the real disk, and the figures stored with the ceilings."""
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from experiments.tiers import TiersConfig
-from harness import ceiling_report, ceilings, tier_bandwidth
-from harness.ceilings import Ceilings
+from harness.device import ceiling_report, ceilings
+from harness.device.ceilings import Ceilings
 from harness.errors import ConfigError
 from harness.kv import block_file
-from harness.model_args import ModelArgs
+from harness.modeling.model_args import ModelArgs
+from harness.movement import tier_bandwidth
 from harness.store.tables import TIER_COLUMNS, TIER_PREFIX, read_tables, write_table
 
 ROOT = Path(__file__).parents[1]

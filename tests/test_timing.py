@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import stats, timing
-from harness.timing import RepeatPolicy, Sample, StepTimer, convergence_columns, measure, summarize
+from harness.measure import stats, timing
+from harness.measure.timing import RepeatPolicy, Sample, StepTimer, convergence_columns, measure, summarize
 
 
 def counting(samples):
@@ -140,7 +140,7 @@ def test_the_stopping_rule_and_the_row_use_the_bootstrap_estimator_of_harness_st
     assert row["tpot_rse"] == stats.median_rse(times)  # same samples, same seed: the same number
     assert row["tpot_samples_ms"] == pytest.approx(times) and row["ttft_samples_ms"] == [1.0] * 6
     assert row == row | {"converged": False, "stop_reason": "max_repeats", "repeats": 6}
-    assert timing.median_rse is stats.median_rse  # the one estimator: harness.ceilings imports it from here too
+    assert timing.median_rse is stats.median_rse  # the one estimator: harness.device.ceilings imports it from here too
 
 
 def test_one_repeat_has_no_rse():

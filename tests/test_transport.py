@@ -1,4 +1,4 @@
-"""harness.transport: a payload of mixed dtypes crosses from this process to a spawned one, bit for bit, on loopback."""
+"""harness.movement.transport: a payload of mixed dtypes crosses from this process to a spawned one, bit for bit, on loopback."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from harness import transport
+from harness.movement import transport
 
 CPU = torch.device("cpu")
 

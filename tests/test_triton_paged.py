@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from harness import kv
-from harness.decode import generate
 from harness.kv.base import CacheSpec, attention
 from harness.kv.quant import token_codec
-from harness.model import build_model
-from harness.timing import StepTimer
+from harness.measure.timing import StepTimer
+from harness.modeling.decode import generate
+from harness.modeling.model import build_model
 from tests.greedy import LOGIT_TOL, assert_same_greedy_tokens, greedy_with_logits
 
 CUDA = torch.cuda.is_available()

@@ -10,8 +10,8 @@ from harness import kv
 from harness.errors import Unsupported
 from harness.kv.base import CacheSpec
 from harness.kv.varlen import SeqBatch
-from harness.model import build_model
-from harness.model_args import ModelArgs
+from harness.modeling.model import build_model
+from harness.modeling.model_args import ModelArgs
 from tests.greedy import LOGIT_TOL
 
 CPU = torch.device("cpu")

@@ -11,7 +11,7 @@ import torch
 from harness import kv
 from harness.config import RunConfig
 from harness.kv.base import CacheSpec
-from harness.model_args import ModelArgs
+from harness.modeling.model_args import ModelArgs
 from harness.run import versus, versus_table
 from harness.store import disk
 from tests.greedy import LOGIT_TOL, assert_no_near_tie, assert_same_greedy_tokens, greedy_with_logits, point_logits

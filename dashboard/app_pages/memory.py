@@ -67,7 +67,7 @@ st.caption(
     "kv_bytes_predicted is the seed notes' analytic formula, 2 × layers × tokens × kv_heads × head_dim × bytes × "
     "batch (MLA: layers × tokens × (kv_lora_rank + qk_rope_head_dim) × bytes × batch, its one latent row): no "
     "scales, no block rounding, no prefix sharing. kv_bytes_planner is the planner's figure for the row's "
-    "workload, as the run recorded it (harness.plan: scales, whole blocks, a window, shared prefix blocks, int4's "
+    "workload, as the run recorded it (harness.analytic: scales, whole blocks, a window, shared prefix blocks, int4's "
     "tail; `none` keeps nothing); it is empty where the planner refused the workload (mixed lengths), and not "
     "recorded in a row written before the column existed (scripts/backfill_kv_bytes_planner.py fills those in)."
 )

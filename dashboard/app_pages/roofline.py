@@ -7,7 +7,7 @@ from dashboard.charts.common import MissingColumns, marks_warning, ok_rows
 from dashboard.charts.crossover import batch_sweep, crossover_caption
 from dashboard.charts.roofline import roofline
 from dashboard.sidebar import page_rows, plot
-from harness import crossover
+from harness.analytic import crossover
 
 st.title("Roofline & crossover")
 rows = page_rows()
@@ -60,5 +60,5 @@ else:
         st.dataframe(knees.drop(columns=constant), hide_index=True)
         st.caption(
             f"knee_batch: the first batch whose TPOT is {crossover.KNEE_RISE:g}× its batch-1 value; "
-            "critical_batch: B*, the analytic model's smallest batch that reaches the ridge (harness/crossover.py)."
+            "critical_batch: B*, the analytic model's smallest batch that reaches the ridge (harness/analytic/crossover.py)."
         )

@@ -21,8 +21,8 @@ from dashboard.charts.common import (
     require,
     texts,
 )
-from harness.crossover import GROUP as KNEE_GROUP
-from harness.crossover import knee_batch, knee_table
+from harness.analytic.crossover import GROUP as KNEE_GROUP
+from harness.analytic.crossover import knee_batch, knee_table
 from harness.store.schema import KV_COLUMNS, POINT_KEY_COLUMNS
 
 NO_BATCH_SWEEP = "no batch sweep: every config here was measured at one batch size"
@@ -74,7 +74,7 @@ def _first(values: pd.Series) -> float | None:
 
 
 def _knee(per_batch: pd.DataFrame) -> float | None:
-    """The observed knee (harness.crossover.knee_batch) of one line: per_batch is indexed by batch, ascending."""
+    """The observed knee (harness.analytic.crossover.knee_batch) of one line: per_batch is indexed by batch, ascending."""
     tpot = per_batch["tpot_ms"]
     known = tpot.notna()
     return knee_batch(per_batch.index[known].tolist(), tpot[known].tolist())

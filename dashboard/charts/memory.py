@@ -23,11 +23,11 @@ VARIANT_KEYS = ("model", "dtype", "kv_dtype", "cache") + tuple(
     for key in (*WORKLOAD_COLUMNS, *KV_COLUMNS)
     if key not in ("model", "dtype", "kv_dtype", "cache", "batch_size", "prompt_len", "gen_len")
 )
-# The planner's figure for the row's workload, as the run wrote it (harness.run.bench.planner_kv_bytes); null in a
+# The planner's figure for the row's workload, as the run wrote it (harness.run.point.planner_kv_bytes); null in a
 # row written before the column existed (scripts/backfill_kv_bytes_planner.py fills such rows in).
 PLANNER_COLUMN = "kv_bytes_planner"
-# kv_bytes_predicted is the seed notes' formula B × S × bytes per token (harness/run/bench.py): no scales, no block
-# rounding, no prefix sharing. The planner (harness.plan) is what each strategy really allocates.
+# kv_bytes_predicted is the seed notes' formula B × S × bytes per token (harness/run/point.py): no scales, no block
+# rounding, no prefix sharing. The planner (harness.analytic) is what each strategy really allocates.
 ANALYTIC_NAME = "analytic formula (weights + KV)"
 PLANNER_NAME = "planner (weights + KV)"
 

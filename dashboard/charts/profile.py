@@ -7,7 +7,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from dashboard.charts.common import colour, format_number, message_figure, numbers, ok_rows, require, texts
-from harness.store.schema import PROFILE_CATEGORIES  # torch-free: harness.profile itself imports torch
+from harness.store.schema import PROFILE_CATEGORIES  # torch-free: harness.measure.profile itself imports torch
 
 PROFILE_BY = {"prompt_len": "prompt length (tokens)", "batch_size": "batch size (sequences)"}
 
@@ -44,7 +44,7 @@ def profile_shares(rows: pd.DataFrame, *, by: str = "prompt_len") -> go.Figure:
 
 
 def top_ops(ops: pd.DataFrame, *, n: int = 15) -> go.Figure:
-    """The n ops with the most self time in one point's top-ops table (harness.profile: op, category,
+    """The n ops with the most self time in one point's top-ops table (harness.measure.profile: op, category,
     self_time_ms, ...), as horizontal bars coloured by category, the biggest on top."""
     time_column = "us" if "self_time_ms" not in ops.columns and "us" in ops.columns else "self_time_ms"
     require(ops, ["op", "category", time_column])

@@ -22,7 +22,7 @@ from dashboard.charts.common import (
     scatter_class,
     texts,
 )
-from harness.spec import spec_for
+from harness.device.spec import spec_for
 
 ROOFLINE_HOVER_TEXT = ("model", "cache", "dtype", "kv_dtype", "bound", "device_name", "marks")  # once per trace
 ROOFLINE_HOVER_NUMBERS = ("batch_size", "prompt_len", "tpot_ms")  # per point, through customdata

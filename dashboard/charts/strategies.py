@@ -29,7 +29,7 @@ from dashboard.charts.common import (
     workload_label,
 )
 from harness.formats import DTYPE_BYTES, EXACT_REFERENCE
-from harness.stats import ratio_ci
+from harness.measure.stats import ratio_ci
 from harness.store.schema import KV_COLUMNS, WORKLOAD_COLUMNS
 
 MIB_BYTES = 2**20
@@ -39,7 +39,7 @@ PARETO_COLUMNS = ("kv_bytes_allocated", "tpot_ms", *PARETO_HOVER_NUMBERS, *KV_CO
 STRATEGY_MEDIANS = ("tpot_ms", "ttft_ms", "kv_allocated_mib", "kv_waste_fraction", "top1_agreement", "kl_mean")
 # figure -> its ratio column: treatment / the baseline of the same workload (1.0 on the baseline's own line)
 STRATEGY_RATIOS = {"tpot_ms": "tpot_ratio", "ttft_ms": "ttft_ratio", "kv_allocated_mib": "kv_allocated_ratio"}
-# tpot_ratio's 95% interval, by bootstrap (harness.stats.ratio_ci) over what each line's TPOT is the median of: its
+# tpot_ratio's 95% interval, by bootstrap (harness.measure.stats.ratio_ci) over what each line's TPOT is the median of: its
 # row's per-repeat samples, or the TPOTs of its rows when several (reruns of one point); null where a single-row line
 # has no samples recorded (rows before tpot_samples_ms). A bootstrap of 2000 resamples costs O(values) a line, so the
 # page asks for it on the workload it shows only.

@@ -6,7 +6,7 @@ quantization, windows and offloading each inside one file, and keeps the model a
 
 Queries are never cached: each one is used once, by the step that made it.
 
-Lifecycle, driven by `harness.decode`:
+Lifecycle, driven by `harness.modeling.decode`:
     cache = Strategy(spec, options)   # allocates (contiguous) or builds the pool (paged)
     cache.prefill_prefix(model, prompt)   # once per prefill: the shared prefix's tokens it holds (0 but prefix)
     cache.prepare(start_pos, n_new)   # once per forward, before the layers: grow block tables, check capacity
@@ -57,17 +57,17 @@ class CacheSpec:
     prefix_len: int = 0  # leading prompt tokens every sequence of the batch shares (a system prompt)
     dtype: str | None = None  # the model's compute dtype name, when the caller knows it
     attn_impl: str = "sdpa"  # harness.formats.ATTN_IMPLS: SDPA's fused kernels, or eager's materialized scores
-    # MLA's latent (harness.mla): no V is stored, V is the first latent_v_dim channels of K ([c_kv | k_rope]);
+    # MLA's latent (harness.modeling.mla): no V is stored, V is the first latent_v_dim channels of K ([c_kv | k_rope]);
     # 0: K and V are stored apart.
     latent_v_dim: int = 0
     softmax_scale: float | None = None  # the factor on q·k in attend; None: 1 / sqrt(q's head width), SDPA's
-    # Which weights computed these K/V (harness.run.bench.model_id: preset, checkpoint or seed, compute dtype): a
+    # Which weights computed these K/V (harness.run.point.model_id: preset, checkpoint or seed, compute dtype): a
     # store that outlives the process (harness.kv.tiers' disk tier) files its blocks under it. "": unknown.
     model_id: str = ""
 
     @classmethod
     def for_model(cls, args, *, batch_size: int, max_tokens: int, kv_dtype: str, device: torch.device, **quant):
-        """From a harness.model_args.ModelArgs (any object with n_layers, n_kv_heads, head_dim): the heads and
+        """From a harness.modeling.model_args.ModelArgs (any object with n_layers, n_kv_heads, head_dim): the heads and
         width the cache stores per token (MLA: one latent head of kv_lora_rank + qk_rope_head_dim)."""
         is_mla = getattr(args, "is_mla", False)
         return cls(
@@ -138,12 +138,12 @@ class KVCache:
         self, model: torch.nn.Module, prompt: torch.Tensor, *, prompt_ids: list[list[int]] | None = None
     ) -> int:
         """prompt [B, P]: make the prefix every sequence shares present (found stored, or computed into the cache);
-        return how many leading tokens it holds, which harness.decode's prefill then skips. 0: this strategy
+        return how many leading tokens it holds, which harness.modeling.decode's prefill then skips. 0: this strategy
         shares no prefix, and the whole prompt runs (a prefix cache, harness.kv.prefix, overrides it)."""
         return 0
 
     def enable_static_decode(self) -> None:
-        """Prepare decode steps at static shapes (harness.decode.compile_decode_step). A strategy that declares
+        """Prepare decode steps at static shapes (harness.modeling.decode.compile_decode_step). A strategy that declares
         supports_static_decode overrides it."""
         raise Unsupported(f"compile: cache {self.name} has no static-shape decode step")
 
@@ -272,7 +272,7 @@ def attention(
     q [B, H, T, D]; k [B, H_kv, S, D], v [B, H_kv, S, D_v] in any storage dtype (cast to q's); returns
     [B, H, T, D_v]. GQA/MQA: each group of H / H_kv query heads shares one K/V head (Ainslie et al. 2023).
     impl: "sdpa" (fused kernels) or "eager" (eager_attention: the scores materialized), harness.formats.ATTN_IMPLS.
-    scale: the factor on q·k (None: 1 / sqrt(D); MLA's differs, harness.model_args.ModelArgs.softmax_scale).
+    scale: the factor on q·k (None: 1 / sqrt(D); MLA's differs, harness.modeling.model_args.ModelArgs.softmax_scale).
     """
     n_new, n_keys = q.shape[2], k.shape[2]
     assert n_keys == start_pos + n_new, f"cache holds {n_keys} keys, expected {start_pos + n_new}"
@@ -300,7 +300,7 @@ def blocks_for(n_tokens: int, block_size: int) -> int:
 
 
 class Layout:
-    """A strategy's knowledge of a workload, asked by the planner (harness.plan), the roofline and the sweep's OOM
+    """A strategy's knowledge of a workload, asked by the planner (harness.analytic), the roofline and the sweep's OOM
     backstop, so that none of them knows a strategy by name. Each harness/kv/<name>.py defines `LAYOUT`, a subclass.
 
     These defaults are the dense case, `contiguous`: every sequence holds max_tokens rows of K and V, each query
@@ -386,7 +386,7 @@ class Layout:
 
     def mixed_batch(self, spec: CacheSpec, lengths: list[int]) -> KVCache:
         """The cache for a batch of requests of these final lengths, each grown to its own, at its peak
-        (lengths=mixed, harness.fragmentation); Unsupported for a strategy that does not measure allocation waste."""
+        (lengths=mixed, harness.measure.fragmentation); Unsupported for a strategy that does not measure allocation waste."""
         raise Unsupported(f"lengths=mixed measures allocation waste of contiguous and paged only, not {self.name}")
 
     # --- what it cannot run ------------------------------------------------------------------------------

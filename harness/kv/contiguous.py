@@ -9,7 +9,7 @@ buffer, with no copy. On CUDA, an int8 or fp8 decode step reads the codes in pla
 harness.kv.triton_paged (the buffer is a pool of one block per sequence), so no dequantized copy of the context is
 ever made; elsewhere the filled part is dequantized and attended with SDPA.
 
-Static shapes (`compile`, harness.decode.compile_decode_step): a decode step whose position comes as a tensor on the
+Static shapes (`compile`, harness.modeling.decode.compile_decode_step): a decode step whose position comes as a tensor on the
 device writes with index_copy_ and attends over the whole preallocated buffer under a length mask, as gpt-fast does,
 so that every step has the same shapes and CUDA graphs can replay it.
 
@@ -49,7 +49,7 @@ class ContiguousCache(kv.KVCache):
         shape = (*lead, spec.max_tokens, data.width)
         # K and V each [L, B, H_kv, S_max, D] (int4: D / 2 bytes, two values each). Two tensors, not two views of
         # one: a compiled step that mutates two views of one base makes AOTAutograd merge them into a synthetic base
-        # that is no longer a static input, and CUDA graph trees then skip the graph (harness.decode).
+        # that is no longer a static input, and CUDA graph trees then skip the graph (harness.modeling.decode).
         self.k = torch.zeros(shape, dtype=data.dtype, device=spec.device)
         # MLA's latent (spec.latent_v_dim): V is K's first channels, so no V buffer.
         self.v = torch.zeros(shape, dtype=data.dtype, device=spec.device) if "v" in spec.sides else None
@@ -87,7 +87,7 @@ class ContiguousCache(kv.KVCache):
     supports_static_decode: ClassVar[bool] = True  # decode steps at static shapes: enable_static_decode, below
 
     def enable_static_decode(self) -> None:
-        """Prepare decode steps at static shapes (harness.decode.compile_decode_step): mark every tensor the step
+        """Prepare decode steps at static shapes (harness.modeling.decode.compile_decode_step): mark every tensor the step
         reads or writes as living at a fixed address (`static_tensors`), so that CUDA graphs update them in place
         instead of copying them in, and fix what the graph needs once: the positions of the length mask, or the
         kernel's split count for the longest context."""
@@ -239,7 +239,7 @@ class ContiguousCache(kv.KVCache):
 
     def export_kv(self, n_tokens: int) -> dict[str, torch.Tensor]:
         """What the first n_tokens of every sequence hold, as contiguous copies (a prefill instance's KV for a decode
-        instance, harness.disagg): "k" and "v" [L, B, H_kv, n, width] (MLA's latent: no "v"), each scale part's rows
+        instance, harness.movement.disagg): "k" and "v" [L, B, H_kv, n, width] (MLA's latent: no "v"), each scale part's rows
         covering them [L, B, H_kv, ceil(n / tokens per row), width], and int4's full-precision tail as "tail_k",
         "tail_v" [L, B, H_kv, capacity, D], whole: a ring addressed by position, so any slot may hold a live token."""
         if not 0 < n_tokens <= self.n_tokens:

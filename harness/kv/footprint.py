@@ -27,7 +27,7 @@ class KVAllocation:
 
 def cache_width(shape: KVShape) -> int:
     """Values one side (K, V, or MLA's latent row) of one token holds in one layer: H_kv x D; MLA 1 x (kv_lora_rank
-    + qk_rope_head_dim), the cache geometry of harness.model_args.ModelArgs (cache_heads, cache_head_dim)."""
+    + qk_rope_head_dim), the cache geometry of harness.modeling.model_args.ModelArgs (cache_heads, cache_head_dim)."""
     args = shape.model
     return args.cache_heads * args.cache_head_dim
 

@@ -141,7 +141,7 @@ class PagedCache(kv.KVCache):
     supports_static_decode: ClassVar[bool] = True  # decode steps at static shapes: enable_static_decode, below
 
     def enable_static_decode(self) -> None:
-        """Prepare decode steps at static shapes (harness.decode.compile_decode_step): mark what the step reads as
+        """Prepare decode steps at static shapes (harness.modeling.decode.compile_decode_step): mark what the step reads as
         static inputs (`static_tensors`), fix the positions of the length mask or the kernel's split count for the
         longest context, and leave FlashInfer (host-side planning) for the Triton kernel or the masked gather."""
         spec = self.spec

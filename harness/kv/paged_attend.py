@@ -144,7 +144,7 @@ class FlashInferDecode:
 
 @dataclass(frozen=True)
 class StaticDecode:
-    """A paged cache's decode step at static shapes (harness.decode.compile_decode_step, after the cache's
+    """A paged cache's decode step at static shapes (harness.modeling.decode.compile_decode_step, after the cache's
     enable_static_decode): the compiled step receives its position as a device tensor, writes through the device
     table, and attends over every block the table can hold, with the Triton kernel (the lengths from the device) or
     a gather under a length mask."""

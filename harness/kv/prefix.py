@@ -16,7 +16,7 @@ most block_size - 1 tokens per sequence. int4 (KIVI) also shares whole key group
 all its tokens), and needs kv_residual=0: its full-precision tail is private to each sequence and overwritten by
 the batch's decode, so a later batch could not find the prefix's newest tokens there (Unsupported otherwise).
 
-The decode hook (KVCache.prefill_prefix, which harness.decode.prefill calls on every cache; 0 for the others):
+The decode hook (KVCache.prefill_prefix, which harness.modeling.decode.prefill calls on every cache; 0 for the others):
 `prefill_prefix(model, prompt, prompt_ids) -> int` computes the shared prefix once on a miss (one batch-1 forward
 pass into fresh blocks), points every sequence's table at it, and returns the number of leading tokens every
 sequence now holds; prefill then runs the rest with start_pos at that number. The prefix is looked up by the

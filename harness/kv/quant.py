@@ -226,7 +226,7 @@ class TokenFormat:
         return {"data": self.codec_parts["data"], **scales}
 
     def write(self, store: RowStore, layer: int, k: torch.Tensor, v: torch.Tensor | None, start_pos: int) -> None:
-        with record_function("kvbench::kv_write"):  # harness.profile: what runs inside is KV time
+        with record_function("kvbench::kv_write"):  # harness.measure.profile: what runs inside is KV time
             for side, x in _stored(self.sides, k, v):
                 for part, rows in self.codec.encode(x).items():
                     store.put_rows(layer, _part_name(side, part), rows, start_pos)

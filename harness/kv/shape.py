@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.model_args import ModelArgs
+from harness.modeling.model_args import ModelArgs
 
 
 @dataclass(frozen=True)
 class KVShape:
-    """One workload as the layouts (harness.kv.base.Layout) and the roofline (harness.roofline) see it. Token counts
+    """One workload as the layouts (harness.kv.base.Layout) and the roofline (harness.analytic.roofline) see it. Token counts
     are per sequence; the roofline's one-step costs take their own varying length (context_len, prefix_cached)."""
 
     model: ModelArgs  # the geometry: layers, heads, widths (MLA's cache_heads and cache_head_dim)
@@ -27,7 +27,7 @@ class KVShape:
     kv_residual: int = 0  # int4: the most recent tokens kept in full precision (KIVI's residual)
     prefix_len: int = 0  # leading prompt tokens every sequence of the batch shares (a system prompt)
     attn_impl: str = "sdpa"  # harness.formats.ATTN_IMPLS
-    mla_path: str = "absorbed"  # MLA's decode path (harness.mla.MLA_PATHS)
+    mla_path: str = "absorbed"  # MLA's decode path (harness.modeling.mla.MLA_PATHS)
 
     def __post_init__(self) -> None:
         if self.kv_dtype == "auto":

@@ -15,7 +15,7 @@ et al. 2023) and flash-decoding (Dao et al. 2023):
       times a power of two that keeps them out of fp16's subnormals (`_v_prescale`), divided out at the end.
       No full-precision copy of K or V exists at any time.
 
-The kernels keep their leading underscores: Triton names a kernel after its function, and harness.profile classifies
+The kernels keep their leading underscores: Triton names a kernel after its function, and harness.measure.profile classifies
 the kernels of a profile by those names. `launch` is their only caller; harness.kv.triton_paged decides its figures
 (checks, splits) and wraps it in the custom op.
 

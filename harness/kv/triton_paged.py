@@ -20,7 +20,7 @@ The kernels are one torch custom op, `kvbench::paged_decode` (`torch.ops.kvbench
 allocates the output, so the op traces under FakeTensorMode and torch.compile(fullgraph=True) on any device, with or
 without triton: on device="cuda" without a GPU, give n_splits or monkeypatch `_sm_count` (and `_capability` for
 `kernel_unsupported`), the only device queries. It is also the CPU op a profile shows around the kernels, and
-the op FlopCounterMode counts (harness.profile).
+the op FlopCounterMode counts (harness.measure.profile).
 
 Where this runs: harness.kv.paged (decode steps on CUDA: "triton-paged") and harness.kv.contiguous (int8/fp8 decode
 steps on CUDA: "triton-dequant"). Both import this module only on CUDA.
@@ -82,7 +82,7 @@ def _check(q, k_pool, v_pool, table, lens, k_scale, v_scale) -> tuple[int, int, 
     return batch, n_heads, n_kv_heads, head_dim
 
 
-OP_NAME = "kvbench::paged_decode"  # the custom op; also its CPU op name in a profile (harness.profile)
+OP_NAME = "kvbench::paged_decode"  # the custom op; also its CPU op name in a profile (harness.measure.profile)
 
 
 def _paged_decode_impl(

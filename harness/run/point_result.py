@@ -13,4 +13,6 @@ import pandas as pd
 @dataclass(frozen=True)
 class PointResult:
     row: dict  # flat named scalars, one per column of harness.store.schema (sweep_id is the caller's to add)
-    ops: pd.DataFrame | None = None  # the profiler's top ops (harness.profile), written beside the row; None: none
+    ops: pd.DataFrame | None = (
+        None  # the profiler's top ops (harness.measure.profile), written beside the row; None: none
+    )

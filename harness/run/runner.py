@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-from harness import ceilings, environment, probes
 from harness.config import RunConfig
+from harness.device import ceilings
 from harness.errors import Unsupported
-from harness.run import bench, slurm
+from harness.measure import environment, probes
+from harness.run import point, slurm
 from harness.run.point_result import PointResult
 
 log = logging.getLogger(__name__)
@@ -242,7 +243,7 @@ def cgroup_oom_kills() -> int:
 def _guarded(cfg: RunConfig) -> PointResult:
     """The point measured in this process; a failure is its row (unsupported, oom or error), never an exception."""
     try:
-        return bench.run_point(cfg)
+        return point.run_point(cfg)
     except Unsupported as exc:
         return PointResult(row=failure_row(cfg, "unsupported", str(exc)))
     except Exception as exc:
@@ -357,7 +358,7 @@ def _status_bytes(pid: int | str, field: str) -> int:
 
 def point_columns(cfg: RunConfig) -> dict:
     """What a point's row holds before anything is measured: its identity, its config and this environment."""
-    return bench.config_columns(cfg) | environment.environment_columns(cfg.torch_device())
+    return point.config_columns(cfg) | environment.environment_columns(cfg.torch_device())
 
 
 def failure_row(cfg: RunConfig, status: str, error: str) -> dict:

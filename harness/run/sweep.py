@@ -8,7 +8,7 @@ harness.store.disk.index, which reads a handful of columns of every row file, so
 points costs a second per point, not a model load.
 
 OOM backstop: within one sweep, once a point ran out of memory, every later point of the same model, strategy,
-dtypes and options that the capacity planner (harness.plan.ledger.total_bytes) says needs at least as much memory is
+dtypes and options that the capacity planner (harness.analytic.ledger.total_bytes) says needs at least as much memory is
 recorded as `skipped_oom`, naming the point that ran out, instead of being run into the same wall. The planner is
 monotone in batch and length, so this skips exactly the points "beyond" the OOM, not a guess.
 """
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.analytic.ledger import total_bytes
 from harness.config import RunConfig
 from harness.errors import ConfigError
-from harness.plan.ledger import total_bytes
 from harness.store import disk
 
 SKIPPED = "skipped"  # what experiments.decode.main answers for a point it found recorded

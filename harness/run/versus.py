@@ -2,13 +2,13 @@
 
 Same weights: transformers builds the model from the preset's equivalent config with its own seeded init (normal,
 std 0.02) and saves it as safetensors; both loops then load that one directory, ours through
-harness.model.build_model(weights=<dir>). In fp32 both produce the same greedy tokens (tests/test_versus.py), and each
+harness.modeling.model.build_model(weights=<dir>). In fp32 both produce the same greedy tokens (tests/test_versus.py), and each
 row's output_digest says whether they did at this point.
 
 The loops of one case (each row's `loop` column; `runner` says whose loop it is, `cache` the kvbench strategy it
 decodes through, null for transformers' own caches), each a closure that runs one whole greedy generation and
 returns (tokens [B, gen_len], Sample):
-    kvbench           harness.decode.generate over the contiguous cache, timed as harness.run.bench.run_point times it:
+    kvbench           harness.modeling.decode.generate over the contiguous cache, timed as harness.run.point.run_point times it:
                       StepTimer marks after the prefill and after every step, a MemoryProbe around the generation
                       (its NVML sampler thread runs on CUDA)
     hf-dynamic        transformers' generate() with its default cache (DynamicCache: torch.cat per step)
@@ -23,7 +23,7 @@ step's latency exactly as our Sample holds them. Greedy, no EOS (eos_token_id No
 
 Interleaving: one warm-up generation of each loop, then `rounds` rounds of A B C D. A drift (clocks, heat, a
 neighbour's load on a shared host) then hits every loop alike instead of whichever happened to run during it. The
-figures are medians over the rounds (harness.timing.summarize), the same statistics as every kvbench row; the table that
+figures are medians over the rounds (harness.measure.timing.summarize), the same statistics as every kvbench row; the table that
 compares them is harness/run/versus_table.py.
 """
 
@@ -40,14 +40,14 @@ import torch
 
 from harness import kv
 from harness.config import DTYPES, RunConfig
-from harness.decode import generate
-from harness.environment import environment_columns
 from harness.kv.contiguous import ContiguousCache
-from harness.model import Transformer, build_model, weights_bytes
-from harness.model_args import ModelArgs
-from harness.probes import MemoryProbe
-from harness.run.bench import cache_spec, config_columns, digest, make_prompts, roofline_columns
-from harness.timing import Sample, StepTimer, summarize
+from harness.measure.environment import environment_columns
+from harness.measure.probes import MemoryProbe
+from harness.measure.timing import Sample, StepTimer, summarize
+from harness.modeling.decode import generate
+from harness.modeling.model import Transformer, build_model, weights_bytes
+from harness.modeling.model_args import ModelArgs
+from harness.run.point import cache_spec, config_columns, digest, make_prompts, roofline_columns
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class StreamerClock:
         pass
 
     def sample(self, gen_len: int) -> Sample:
-        """TTFT from the prompt's put to the first token's; a step per later token, as harness.decode times them."""
+        """TTFT from the prompt's put to the first token's; a step per later token, as harness.modeling.decode times them."""
         assert len(self.stamps) == gen_len + 1, f"{len(self.stamps)} puts, expected the prompt and {gen_len} tokens"
         intervals_ms = [(b - a) * 1e3 for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
         return Sample(ttft_ms=intervals_ms[0], step_ms=intervals_ms[1:])

@@ -3,7 +3,7 @@
 Orca's iteration-level scheduling (Yu et al. OSDI 2022) over vLLM's paged pool (Kwon et al. 2023): every iteration
 `Scheduler.schedule` says which requests compute which tokens (decodes and prefill chunks together, under
 max_num_batched_tokens) and where their K/V go (block tables); `Engine.execute` runs that as one forward of
-harness.model over a harness.kv.varlen.SeqBatch, samples greedily the requests that reached their last known token,
+harness.modeling.model over a harness.kv.varlen.SeqBatch, samples greedily the requests that reached their last known token,
 and `Scheduler.update` advances them, finishing those at output_len and returning their blocks.
 
 The KV tensors are the storage a strategy's SERVING names (harness.kv.base.Serving): a slots pool (`contiguous`:
@@ -43,7 +43,7 @@ SERVE_KV_DTYPES = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8")  # pe
 
 def check_servable(args) -> None:
     """Serving's per-sequence attention (harness.kv.varlen) reads K/V heads: an MLA model (its one latent row per
-    token, harness.mla) is a one-line ConfigError before anything is built, not an Unsupported mid-run."""
+    token, harness.modeling.mla) is a one-line ConfigError before anything is built, not an Unsupported mid-run."""
     if args.is_mla:
         raise ConfigError(
             f"model: {args.name} is MLA, whose latent cache serving cannot read yet (its per-sequence attention "
@@ -65,7 +65,7 @@ def build_cache(
     """The KV tensors of a serving pool of num_blocks blocks of block_size tokens, at kv_dtype, in the cache of the
     strategy's Serving.storage. (cache, num_slots): a slots pool cuts the same tokens into num_slots =
     num_blocks·block_size // max_model_len slots of max_model_len (None for a blocks pool). args: the model's
-    harness.model_args.ModelArgs."""
+    harness.modeling.model_args.ModelArgs."""
     declared = serving(strategy)
     if kv_dtype not in SERVE_KV_DTYPES:
         raise ConfigError(f"kv_dtype: serving stores per-token formats; allowed: {', '.join(SERVE_KV_DTYPES)}, "

@@ -7,9 +7,9 @@ engine), the runs' qps points make a curve, and from it:
 
     knee_qps       measured    the highest qps whose p99 TTFT stays within the SLO (harness.serve.metrics.knee)
     replicas       measured    ceil(target_qps / knee_qps): replicas each loaded at or below the knee
-                               (harness.serve.capacity.replicas_needed)
+                               (harness.serve.budget.replicas_needed)
     predicted_concurrency      target_qps x the knee run's mean E2E latency: the requests in flight across the fleet,
-                   predicted   on average, by Little's law (harness.serve.capacity.concurrency_needed). Per replica it
+                   predicted   on average, by Little's law (harness.serve.budget.concurrency_needed). Per replica it
                                sits beside the knee run's measured max_concurrent_requests, the most in flight at once
                                (both count queueing): a mean beside a peak, at a rate at or below the knee's, so it
                                should not exceed it. The knee run's max_running_requests (queueing left out) is shown
@@ -154,7 +154,7 @@ def fleet(frame: pd.DataFrame, target_qps: float, ttft_slo_ms: float | str) -> p
     (status below_lowest or no_points) has neither: null, not a guess."""
     # The formulas live with the planner, whose module imports torch (harness.config): imported here, so that
     # load_run_rows, knees and summary_lines stay torch-free.
-    from harness.serve.capacity import concurrency_needed, replicas_needed
+    from harness.serve.budget import concurrency_needed, replicas_needed
 
     if not (isinstance(target_qps, Real) and not isinstance(target_qps, bool) and 0 < target_qps < math.inf):
         raise ConfigError(f"target_qps: must be a finite number of requests/s > 0, got {target_qps!r}")

@@ -226,7 +226,7 @@ def max_concurrent_requests(records: Sequence[RequestRecord]) -> int:
 def max_running_requests(records: Sequence[RequestRecord]) -> int:
     """The most requests running at one instant, each from first_scheduled_s to finished_s: queueing left out.
 
-    The figure the planner predicts (harness.serve.capacity's predicted_max_running), and for our scheduler exactly
+    The figure the planner predicts (harness.serve.budget's predicted_max_running), and for our scheduler exactly
     the most requests running in one iteration (SchedulerOutput.num_running): a request counts from the iteration
     that first admits it to the one that finishes it, and one preempted in between counts on while it waits (its
     record holds no pause), but no request is first admitted meanwhile (it waits at the front of the queue, which

@@ -13,8 +13,8 @@ import torch
 
 from harness.config import DTYPES, Workload, device_type
 from harness.errors import ConfigError
-from harness.model import build_model
-from harness.serve import capacity
+from harness.modeling.model import build_model
+from harness.serve.budget import KVBudget, bytes_per_block, check_pool_fits, kv_budget, predict_concurrency
 from harness.serve.config import ServeConfig
 from harness.serve.engine import Engine, build_cache, check_servable, serve
 from harness.serve.kv_manager import make_kv_manager, num_blocks_for, serving
@@ -36,7 +36,7 @@ class Plan:
     device: str
     requests: list
     scheduler_config: SchedulerConfig
-    budget: capacity.KVBudget
+    budget: KVBudget
     num_blocks: int
     predicted_max_running: int | None
     budget_bytes_per_block: int
@@ -66,19 +66,19 @@ def plan(cfg: ServeConfig) -> Plan:
     else:
         knobs |= dict(kv_memory_gb=cfg.kv_memory_gb, gpu_memory_utilization=cfg.gpu_memory_utilization,
                       memory_gb=cfg.memory_gb)  # fmt: skip
-    budget = capacity.kv_budget(paged, **knobs)
-    block_bytes = capacity.bytes_per_block(paged)
+    budget = kv_budget(paged, **knobs)
+    block_bytes = bytes_per_block(paged)
     num_blocks = num_blocks_for(budget.kv_bytes, block_bytes)
     # The pool against what the device has free now: a budget past it is one line, not the OOM killer mid-run.
     field = "memory_gb" if budget.source == "gpu_memory_utilization" and cfg.memory_gb is not None else budget.source
-    capacity.check_pool_fits(num_blocks * block_bytes, field=field, device=device)
+    check_pool_fits(num_blocks * block_bytes, field=field, device=device)
     # Every request must run alone in this pool, the one-line refusal a server gives before serving.
     probe = Scheduler(scheduler_config, kv_manager(cfg, num_blocks))
     for request in requests:
         probe.add_request(request)
     predicted = None
     if not served.windowed:  # the planner models a window as a ring per request, not as paged blocks
-        predicted = capacity.predict_concurrency(
+        predicted = predict_concurrency(
             cfg.workload(kv_dtype=kv_dtype), requests, kv_budget_bytes=budget.kv_bytes,
             max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, watermark=cfg.watermark,
         ).predicted_max_running  # fmt: skip

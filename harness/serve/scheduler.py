@@ -39,7 +39,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 @dataclass(frozen=True)
 class SchedulerConfig:
     """vLLM's scheduler knobs (vllm/config/scheduler.py; watermark and preemption_mode are v0's). Their defaults
-    here are the only ones: the serving config (harness.serve.config) and the planner (harness.serve.capacity)
+    here are the only ones: the serving config (harness.serve.config) and the planner (harness.serve.budget)
     read them from this class."""
 
     max_num_seqs: int = 256  # requests running at once (vLLM's SchedulerConfig default)

@@ -5,7 +5,7 @@ Compare page.)
 
 The ok rows of A and B are paired by the workload key (schema.POINT_KEY_COLUMNS; harness/store/pairing.py). For each
 pair the ratio B/A of the metric's medians gets a bootstrap confidence interval from the per-repeat samples
-(harness.stats.ratio_ci), and a verdict, after nvbench's compare script (NVIDIA/nvbench, scripts/nvbench_compare.py,
+(harness.measure.stats.ratio_ci), and a verdict, after nvbench's compare script (NVIDIA/nvbench, scripts/nvbench_compare.py,
 compare_benches): there a relative difference of the mean times within the smaller of the two sides' relative noise
 (sd / mean of the samples) is SAME, beyond it FAST or SLOW by its sign, and a pair without a noise figure on either
 side is "????" (unknown); its --threshold-diff only hides small differences from the table. Here SAME is nvbench's
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from harness import stats
+from harness.measure import stats
 from harness.store.pairing import pair, workload_labels
 from harness.store.schema import POINT_KEY_COLUMNS
 
@@ -76,7 +76,7 @@ class Metric:
 METRICS = {
     "tpot_ms": Metric("tpot_ms", "tpot_samples_ms", higher_is_better=False, unit="ms"),
     "ttft_ms": Metric("ttft_ms", "ttft_samples_ms", higher_is_better=False, unit="ms", recorded_spread=False),
-    # Per repeat, batch_size × 1000 / tpot_ms (harness.timing.summarize's decode_tok_s, one repeat at a time).
+    # Per repeat, batch_size × 1000 / tpot_ms (harness.measure.timing.summarize's decode_tok_s, one repeat at a time).
     "decode_tok_s": Metric("decode_tok_s", "tpot_samples_ms", higher_is_better=True, unit="tok/s"),
 }
 VERDICT_COLUMNS = (

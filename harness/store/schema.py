@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-# The profiler's categories of step time (harness.profile classifies each op into one); each has a
+# The profiler's categories of step time (harness.measure.profile classifies each op into one); each has a
 # prof_<category>_frac column below, and the dashboard colours them in this order.
 PROFILE_CATEGORIES = ("attention", "gemm", "norm_elementwise", "kv", "sampling", "other")
 
@@ -277,7 +277,7 @@ COLUMNS: tuple[Column, ...] = (
         "Analytic: the prefix's prefill FLOPs over the measured matmul peak (the roofline's prefill model)",
     ),
     Column("repeats", "int64", "", "Measured repeats, warm-up excluded"),
-    # Convergence and host noise: whether the figures above can be trusted (harness/timing.py, harness/host_noise.py)
+    # Convergence and host noise: whether the figures above can be trusted (harness/measure/timing.py, harness/measure/host_noise.py)
     Column(
         "tpot_samples_ms",
         "list<float64>",
@@ -352,7 +352,7 @@ COLUMNS: tuple[Column, ...] = (
         "kv_bytes_planner",
         "int64",
         "bytes",
-        "Analytic, the planner's KV bytes for the point's workload (harness.plan: scales, whole blocks, a window, a "
+        "Analytic, the planner's KV bytes for the point's workload (harness.analytic: scales, whole blocks, a window, a "
         "shared prefix, int4's tail): what kv_bytes_allocated should be; null where the planner refuses (mixed lengths)",
     ),
     Column(
@@ -381,7 +381,7 @@ COLUMNS: tuple[Column, ...] = (
     ),
     Column("nvml_peak_used_bytes", "int64", "bytes", "Peak device memory in use, all processes (NVML); null on CPU"),
     Column("nvml_process_peak_bytes", "int64", "bytes", "Peak device memory used by this process (NVML); null on CPU"),
-    # Roofline: the analytic step model (harness/roofline.py) beside this device's measured ceilings
+    # Roofline: the analytic step model (harness/analytic/roofline.py) beside this device's measured ceilings
     Column(
         "flops_per_step",
         "float64",
@@ -453,7 +453,7 @@ COLUMNS: tuple[Column, ...] = (
         "Predicted S*: beyond this context decode cannot reach the ridge at any batch (inf: never binds)",
     ),
     Column("ceilings_fingerprint", "string", "", "The stored ceilings (results_dir/ceilings/<fingerprint>.json) used"),
-    # Profiler: a separate torch.profiler pass over prof_steps decode steps (harness/profile.py)
+    # Profiler: a separate torch.profiler pass over prof_steps decode steps (harness/measure/profile.py)
     # one share per PROFILE_CATEGORIES entry, prof_<category>_frac
     Column("prof_attention_frac", "float64", "", "Share of classified step time in attention"),
     Column("prof_gemm_frac", "float64", "", "Share in matrix multiplies (projections, MLP, lm_head)"),

@@ -1,12 +1,12 @@
 """The column contracts of the KV-movement tables, and their one writer (torch-free, as harness.store.schema).
 
 TIER_COLUMNS: one row per (tier, direction, block size) of `python -m experiments.tiers`: the GB/s a block moves at
-between the device, the host and the disk tier (harness/tier_bandwidth.py), beside the same device's ceilings.
+between the device, the host and the disk tier (harness/movement/tier_bandwidth.py), beside the same device's ceilings.
 Written to <results_dir>/tiers/bandwidth-<time>.parquet.
 
 PD_COLUMNS: one row per (transport, kv_dtype, context) of `python -m experiments.pd`: a prefilled request's KV sent
-from a prefill process to a decode process (harness/disagg.py), measured over a real transport, or extrapolated to a
-datasheet link (harness/spec_links.csv); `source` says which. Written to <results_dir>/pd/transfer-<time>.parquet.
+from a prefill process to a decode process (harness/movement/disagg.py), measured over a real transport, or extrapolated to a
+datasheet link (harness/device/spec_links.csv); `source` says which. Written to <results_dir>/pd/transfer-<time>.parquet.
 
 GB = 1e9 bytes throughout, as the ceilings.
 """
@@ -46,7 +46,7 @@ TIER_COLUMNS: tuple[Column, ...] = (
     Column("total_bytes", "int64", "bytes", "block_bytes x n_blocks: what one timed repeat moves"),
     Column("seconds", "float64", "s", "Median seconds of one repeat (all n_blocks), warm-up excluded"),
     Column("gbps", "float64", "GB/s", "total_bytes / seconds, GB = 1e9"),
-    Column("gbps_rse", "float64", "", "Relative standard error of the median (harness.stats' bootstrap)"),
+    Column("gbps_rse", "float64", "", "Relative standard error of the median (harness.measure.stats' bootstrap)"),
     Column("repeats", "int64", "", "Timed repeats behind the median"),
     Column("pinned", "bool", "", "The host tier is page-locked (CUDA); false on the CPU, where host is device memory"),
     Column(
