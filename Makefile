@@ -60,7 +60,7 @@ $(VENV_CUDA)/.installed: pyproject.toml
 	touch $@
 
 test-cuda-trace: $(VENV_CUDA)/.installed ## Fake CUDA: every strategy x kv_dtype x compile mode traced at 8B shapes, no GPU
-	$(VENV_CUDA)/bin/python -m pytest -m cuda_trace tests/test_cuda_trace*.py
+	$(VENV_CUDA)/bin/python -m pytest -m cuda_trace tests/cuda/
 
 slurm-check: setup ## One tiny point through sbatch on your cluster, then its row: make slurm-check PARTITION=gpu
 	@test -n "$(PARTITION)" || { echo "make slurm-check: PARTITION: name one of your cluster's partitions (sinfo lists them), e.g. PARTITION=gpu" >&2; exit 2; }

@@ -1,6 +1,6 @@
 """The dashboard in a real browser: serve it headless on a free loopback port, visit its pages, take screenshots.
 
-The end-to-end test (tests/test_browser.py) and the README's screenshot both go through here, driving Debian's
+The end-to-end test (tests/dashboard/test_browser.py) and the README's screenshot both go through here, driving Debian's
 chromium (`apt-get install -y chromium`) through Playwright; Playwright's own browser download is not needed.
 
     python -m dashboard.browser --page roofline --out dashboard/roofline.png     # the README's screenshot

@@ -4,8 +4,8 @@ stages of scripts/gpu_check.sh.
 The time model (`point_seconds`) is an upper bound for sizing, not a figure to quote: the roofline of
 harness/analytic/roofline.py at half the datasheet peaks of harness/device/spec_peaks.csv, plus the host's cost of launching an eager
 step, plus what a point pays besides its generations (model build, accuracy and profiler passes, compilation). The
-memory model (`point_bytes`) is the capacity planner's. tests/test_presets.py holds every GPU preset to both;
-tests/test_gpu_check.py holds every stage of the script to its limit.
+memory model (`point_bytes`) is the capacity planner's. tests/analytic/test_presets.py holds every GPU preset to both;
+tests/experiments/test_gpu_check.py holds every stage of the script to its limit.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ if [ -n "$DRY" ]; then
   DEVICE=cpu QUICK=true LONG_CONTEXT_TOKENS=64 DEADLINE_S=${GPU_CHECK_DEADLINE_S:-300}
   # Tiny points on the CPU: what the stages' presets run, minus the sizes (later overrides win over a preset's), and
   # measured in the sweep's own process: a spawned worker costs each sweep ~10 s here, a third of the dry run, and
-  # the workers have tests of their own (tests/test_sweep.py, tests/test_faults.py).
+  # the workers have tests of their own (tests/run/test_sweep.py, tests/run/test_faults.py).
   POINT=(model=tiny device=cpu warmup=1 min_repeats=1 max_repeats=1 max_time_s=1 gen_len=3 isolate=false)
   # One thread: a tiny model's ops are far too small to share, and threads that wait on each other on a busy 2-core
   # machine made a tiny bf16 step take 5 to 170 ms here (1 thread: 3 to 6 ms).
@@ -157,7 +157,7 @@ if [ -n "$DRY" ]; then
 elif "$PY" -c "import xdist" 2>/dev/null; then
   options+=(-n 4)
 fi
-"$PY" -m pytest "${options[@]}" "${ids[@]}" tests/test_triton_paged.py'
+"$PY" -m pytest "${options[@]}" "${ids[@]}" tests/kv/test_triton_paged.py'
 
 echo "=== kvbench GPU check$([ -n "$DRY" ] && echo ' (dry run on the CPU)'): stages: $STAGES"
 echo "=== python $PY; OUT $OUT; work $WORK; deadline ${DEADLINE_S} s"

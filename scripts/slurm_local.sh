@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real one-node SLURM cluster on this machine, on loopback only, for tests/test_slurm.py and .ci/run:
+# A real one-node SLURM cluster on this machine, on loopback only, for tests/run/test_slurm.py and .ci/run:
 #   scripts/slurm_local.sh up      munged, slurmctld and slurmd on 127.0.0.1; waits until the node is idle
 #   scripts/slurm_local.sh down    stops every daemon `up` started, by the pids it recorded, and removes the folder
 #   scripts/slurm_local.sh env     prints `export SLURM_CONF=...`: clients (sbatch, squeue, sacct) find it by that

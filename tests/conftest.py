@@ -11,8 +11,8 @@ from harness.modeling.model import build_model
 from harness.modeling.model_args import ModelArgs
 
 # Without a GPU the Triton kernels run in Triton's interpreter, which must be on when triton itself is first
-# imported: triton.language's own @jit helpers are built then, and torch.compile (tests/test_compile.py) imports
-# triton before tests/test_triton_paged.py runs. On a GPU machine the kernels compile for the device instead.
+# imported: triton.language's own @jit helpers are built then, and torch.compile (tests/modeling/test_compile.py) imports
+# triton before tests/kv/test_triton_paged.py runs. On a GPU machine the kernels compile for the device instead.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

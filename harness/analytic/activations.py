@@ -5,7 +5,7 @@ tensors (4 × F values per token) sit beside the residual stream (3 × dim) at t
 (flash-style kernels on the CPU and CUDA: no [T, S] score matrix); the logits are the last token's only. Decode adds
 only the strategy's read-back transients (paged gathers, dequantization) over the whole context. Also the token ids
 (int64). What a strategy adds (its transients, a mask it holds, recomputing without a cache) is its layout's answer
-(harness.kv.base.Layout), checked against the real forward by tests/test_capacity.py.
+(harness.kv.base.Layout), checked against the real forward by tests/analytic/test_planner.py.
 
 attn_impl=eager materializes what the fused kernels never hold: the scores and probabilities [B, H, T, S] of one
 layer at a time (harness.kv.base.eager_attention), quadratic in the prompt at prefill.

@@ -212,7 +212,7 @@ def _v_prescale(code_dtype: torch.dtype) -> float:
     max_code times below the values it weighs. With fp16 queries that operand is cast to fp16, whose normals end at
     6.1e-5 (2^-14): with e5m2 and values under 3.5, every p * s is subnormal, with fewer significant bits the smaller
     it is (values under 0.01: p * s < 1.8e-7, 3 steps of 2^-24, 2 of fp16's 11 bits), and the output loses as many
-    (tests/test_triton_paged.py measured 0.9 relative error at |v| ~ 1e-3). Times 2^k <= max_code, p * s * 2^k <=
+    (tests/kv/test_triton_paged.py measured 0.9 relative error at |v| ~ 1e-3). Times 2^k <= max_code, p * s * 2^k <=
     p * amax: the operand lands where the values themselves would (never past fp16's max when they came from fp16),
     the products add up in fp32, and the output is divided by 2^k. Powers of two round nothing: in fp32, bf16 and
     the fp32 accumulator this changes no bit; in fp16 it only keeps bits the subnormals would drop.

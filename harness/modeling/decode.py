@@ -109,7 +109,7 @@ def compile_decode_step(model: torch.nn.Module, cache: KVCache, *, mode: str, ba
     not, and say so only in `torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]` (harness.run.point records it).
 
     backend: a torch.compile backend other than inductor, for tests that trace the step where inductor cannot
-    generate code (fake CUDA tensors, tests/test_cuda_trace.py); `mode` then still decides the step's protocol."""
+    generate code (fake CUDA tensors, tests/cuda/test_cuda_trace.py); `mode` then still decides the step's protocol."""
     device = model.tok_embeddings.weight.device
     check_compilable(cache, mode=mode, device=device)
     cache.enable_static_decode()  # Unsupported for a format without a static-shape write (int4)

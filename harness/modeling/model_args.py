@@ -1,7 +1,7 @@
 """A model's description: ModelArgs (shapes and constants), a preset by name (the table is `harness.modeling.presets`), and
 the reading of a Hugging Face checkpoint's config.json.
 
-Plain data, so this module does not import torch (tests/test_model.py checks it); the torch modules that compute
+Plain data, so this module does not import torch (tests/modeling/test_model.py checks it); the torch modules that compute
 with these shapes are in `harness.modeling.model`.
 """
 

@@ -2,7 +2,7 @@
 
 Same weights: transformers builds the model from the preset's equivalent config with its own seeded init (normal,
 std 0.02) and saves it as safetensors; both loops then load that one directory, ours through
-harness.modeling.model.build_model(weights=<dir>). In fp32 both produce the same greedy tokens (tests/test_versus.py), and each
+harness.modeling.model.build_model(weights=<dir>). In fp32 both produce the same greedy tokens (tests/run/test_versus.py), and each
 row's output_digest says whether they did at this point.
 
 The loops of one case (each row's `loop` column; `runner` says whose loop it is, `cache` the kvbench strategy it

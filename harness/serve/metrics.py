@@ -231,7 +231,7 @@ def max_running_requests(records: Sequence[RequestRecord]) -> int:
     that first admits it to the one that finishes it, and one preempted in between counts on while it waits (its
     record holds no pause), but no request is first admitted meanwhile (it waits at the front of the queue, which
     admits in order), so the peak, reached at a first admission, is that iteration's running count.
-    tests/test_serve_metrics.py checks it against the iterations, preemptions included. For the peer
+    tests/serve/test_serve_metrics.py checks it against the iterations, preemptions included. For the peer
     (harness.serve.peer) it is the same sweep over its scheduler's own admission stamps. vLLM's benchmark, a
     client, has no such figure.
     """

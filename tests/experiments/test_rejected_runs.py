@@ -1,0 +1,58 @@
+"""A rejected config leaves nothing behind (issue #27 item 8): Hydra makes the job's folder (.hydra/, <job>.log)
+before an entry point can check its input, and harness.errors.remove_rejected_run takes it back; a run whose
+combination is unsupported after validation is the same one line (item 10). Each case is the entry point in a
+fresh process, as a user runs it, against an empty results_dir."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVE_TINY = ["model=tiny", "max_model_len=64", "kv_memory_gb=0.01", "num_prompts=2", "prompt_len=16", "output_len=4"]
+
+
+def run(module: str, results_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    flags = [o for o in overrides if o == "-m"]  # argparse: Hydra's flags before the overrides
+    command = [sys.executable, "-m", module, *flags, f"results_dir={results_dir}", *(o for o in overrides if o != "-m")]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def last_line(result: subprocess.CompletedProcess) -> str:
+    return result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("module", "overrides", "message"),
+    [
+        ("experiments.decode", ["dtype=fp64"], "dtype: unknown value 'fp64'"),
+        ("experiments.decode", ["-m", "dtype=fp32,fp64"], "dtype=fp64]: dtype: unknown value"),
+        ("experiments.serve", [*SERVE_TINY, "tpot_slo_ms=fast"], "tpot_slo_ms: 'fast' is not a duration"),
+        ("experiments.serve", ["-m", *SERVE_TINY, "tpot_slo_ms=fast,1s"], "tpot_slo_ms: 'fast' is not a duration"),
+        ("experiments.serve", [*SERVE_TINY, "model=mla-tiny"], "model: mla-tiny is MLA"),
+        ("experiments.pd", ["kv_dtypes=[bogus]"], "kv_dtypes: unknown 'bogus'"),
+        ("experiments.tiers", ["block_tokens=[0]"], "block_tokens: must be a non-empty list"),
+        ("experiments.capacity", ["mode=bogus"], "mode: unknown value 'bogus'"),
+        ("experiments.ceilings", ["device=bogus"], "device: unknown value 'bogus'"),
+    ],
+    ids=["decode", "decode-multirun", "serve", "serve-multirun", "serve-mla", "pd", "tiers", "capacity", "ceilings"],
+)
+def test_a_rejected_config_is_one_line_and_leaves_no_folder(tmp_path, module, overrides, message):
+    result = run(module, tmp_path, *overrides)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert last_line(result).startswith("kvbench: bad config: ") and message in last_line(result)
+    assert "Traceback" not in result.stderr
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == []
+
+
+@pytest.mark.slow
+def test_a_sweep_stopped_by_a_rejected_job_keeps_the_jobs_before_it(tmp_path):
+    result = run("experiments.capacity", tmp_path, "-m", "mode=plan,bogus")
+    assert result.returncode == 2 and "mode: unknown value 'bogus'" in last_line(result)
+    (sweep,) = (tmp_path / "capacity" / "runs").iterdir()
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "multirun.yaml"]  # job 1's folder is gone
+    assert (sweep / "0" / ".hydra" / "config.yaml").is_file() and (sweep / "0" / "capacity.log").is_file()
