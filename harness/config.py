@@ -25,8 +25,8 @@ from harness.errors import ConfigError
 from harness.formats import ATTN_IMPLS, COMPILE_MODES, KV_DTYPES, KV_GROUP_SIZES
 from harness.kv.quant import PLAIN
 from harness.modeling.mla import MLA_PATHS
-from harness.modeling.model_args import SUPPORTED_MODEL_TYPES, ModelArgs, load_args
-from harness.modeling.presets import PRESETS
+from harness.modeling.model_args import ModelArgs, load_args
+from harness.modeling.resolve import resolve_model
 
 # Compute dtypes by name -> torch dtypes. The one table is harness.kv.quant's PLAIN (the plain KV formats are the
 # compute dtypes, harness.formats.PLAIN), the lowest module that holds torch dtypes; harness.formats, torch-free,
@@ -40,37 +40,6 @@ LENGTHS = ("fixed", "mixed")
 POINT_ID = "point_id"
 LATER_DEFAULT = "later_default"
 NOT_MEASURED = {POINT_ID: False}
-
-
-def resolve_model(model: str | Path | dict | ModelArgs) -> ModelArgs:
-    """A preset name, a local directory holding a Hugging Face config.json (or the file), a config dict, or
-    ModelArgs -> ModelArgs. Only the config is read: no weights are needed to plan."""
-    if isinstance(model, ModelArgs):
-        return model
-    if isinstance(model, dict):
-        return _from_hf_config(model, name=str(model.get("_name_or_path") or "hf-config"))
-    name = str(model)
-    if name in PRESETS:
-        return ModelArgs.from_name(name)
-    path = Path(name)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.is_file() and path.suffix == ".json":
-        return _from_hf_config(json.loads(path.read_text()), name=path.resolve().parent.name)
-    raise ConfigError(
-        f"model: unknown preset {name!r}; allowed: {', '.join(PRESETS)}, or a local directory with a config.json"
-    )
-
-
-def _from_hf_config(config: dict, *, name: str) -> ModelArgs:
-    if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(
-            f"model: {name} has model_type {config.get('model_type')!r}; allowed: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    try:
-        return ModelArgs.from_hf_config(config, name=name)
-    except KeyError as exc:
-        raise ConfigError(f"model: {name}'s config.json lacks {exc.args[0]!r}") from None
 
 
 def device_type(device: str) -> str:
