@@ -38,10 +38,10 @@ from pathlib import Path
 from harness.analytic.activations import activation_bytes
 from harness.analytic.runtime import GiB, default_runtime_overhead_bytes, detected_memory_bytes
 from harness.config import Workload, check_choice, device_type
-from harness.modeling.resolve import resolve_model
 from harness.errors import ConfigError
 from harness.formats import BITS, DTYPE_BYTES, PER_TOKEN_SCALED, SCALE_BYTES
 from harness.modeling.model_args import ModelArgs
+from harness.modeling.resolve import resolve_model
 
 SEARCH_LIMIT = 2**40  # no batch or context is searched beyond this
 
