@@ -57,6 +57,13 @@ class Sample:
     dropped: dict[str, int] = field(default_factory=dict)
 
 
+def dataset_columns(dataset: str, *, sha256: str | None = None, dropped: dict[str, int] | None = None) -> dict:
+    """The run row's dataset columns (harness.serve.columns): where the requests came from, the file's digest and
+    the drops by reason; null digest and drops for a stream not sampled from a file (random, trace)."""
+    counts = dict.fromkeys(DROP_REASONS) if dropped is None else {reason: dropped[reason] for reason in DROP_REASONS}
+    return {"dataset": dataset, "dataset_sha256": sha256} | {f"dataset_dropped_{r}": n for r, n in counts.items()}
+
+
 def prompt_and_reply(conversation: Conversation) -> tuple[str, str] | None:
     """(the first human turn, the turn after it), or None when there is no human turn with a reply after it."""
     for index, (role, text) in enumerate(conversation.turns[:-1]):

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
+import experiments.serve  # noqa: F401  (registers serve_config in Hydra's ConfigStore)
 from harness.errors import ConfigError
+from harness.serve import run as app
+from harness.serve.config import ServeConfig
 from harness.serve.dataset import load_tokenizer, sample_sharegpt
 from harness.serve.requests import RequestSpec, arrival_times_s
+from harness.serve.rows import load_run, serve_run_dir
 from harness.serve.sharegpt import Conversation, read_sharegpt
 
 WARNING = "ShareGPT file ends early"
@@ -159,3 +167,71 @@ def test_the_packaged_file_holds_17671_whole_conversations_with_one_warning(capl
     assert len(packaged.conversations) == 17_671 and packaged.truncated
     warnings = [r.getMessage() for r in caplog.records if WARNING in r.getMessage()]
     assert len(warnings) == 1 and "read 17671 whole conversations" in warnings[0]
+
+
+# --- dataset=sharegpt in a serving run ---------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["model=tiny", "max_model_len=256", "block_size=16", "dtype=fp32", "kv_memory_gb=0.002"]
+
+
+def config(*overrides: str) -> ServeConfig:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return OmegaConf.to_object(compose(config_name="serve", overrides=list(overrides)))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["dataset=lmsys"], "^dataset: unknown value 'lmsys'; allowed: random, sharegpt$"),
+        (["dataset=sharegpt"], r"^dataset: sharegpt needs a tokenizer; allowed: weights=<checkpoint dir with a "),
+        (["dataset_path=x.json"], "^dataset_path: only dataset=sharegpt takes it; allowed: null with dataset=random$"),
+        (["dataset=sharegpt", "trace=t.jsonl"], "^trace: dataset=sharegpt takes its prompts from its conversations"),
+        (["dataset=sharegpt", "prefix_len=4"], "^prefix_len: dataset=sharegpt takes its prompts .*; allowed: 0$"),
+        (["dataset=sharegpt", "+sharegpt_output_len=0"], "^sharegpt_output_len: must be an integer >= 1"),
+    ],
+)
+def test_a_dataset_misconfigured_is_one_line_naming_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message) as refused:
+        config(*TINY, *overrides)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_random_runs_recorded_config_leaves_the_dataset_fields_out():
+    assert "dataset" not in config(*TINY).config_dict()
+
+
+def sharegpt_file(tmp_path) -> Path:
+    """Six conversations in the checkpoint's words (w1..w119), one of them with a 2-token prompt, then a cut one."""
+    records = [
+        record(i, ("human", " ".join(f"w{(i * 7 + j) % 119 + 1}" for j in range(6 + 3 * i))),
+               ("gpt", " ".join(f"w{(i + j) % 119 + 1}" for j in range(5 + i))))
+        for i in range(5)
+    ]  # fmt: skip
+    records.append(record(5, ("human", "w1 w2"), ("gpt", "w3 w4 w5 w6")))
+    return truncated_file(tmp_path, records, name="sharegpt.json")
+
+
+def test_a_sharegpt_run_serves_the_tokenized_conversations_and_records_its_dataset(tmp_path, llama_checkpoint):
+    path = sharegpt_file(tmp_path)
+    cfg = config(*TINY, "dataset=sharegpt", f"dataset_path={path}", f"weights={llama_checkpoint}", "num_prompts=4",
+                 "qps=inf", "run_id=sg")  # fmt: skip
+    p = app.plan(cfg)
+    tokenizer = load_tokenizer(str(llama_checkpoint))
+    prompts = {tuple(tokenizer.encode(c.turns[0][1])) for c in read_sharegpt(path).conversations}
+    assert len(p.prompt_ids) == 4 and all(tuple(ids) in prompts for ids in p.prompt_ids)
+    row = app.run(p, run_dir=serve_run_dir(tmp_path, "sg"), sweep_id="s")
+    assert row["completed"] == 4
+    assert row["total_input_tokens"] == sum(len(ids) for ids in p.prompt_ids)
+    _, _, stored = load_run(serve_run_dir(tmp_path, "sg"))
+    assert stored["dataset"] == "sharegpt"
+    assert stored["dataset_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert stored["dataset_dropped_prompt_too_short"] <= 1 and stored["dataset_dropped_too_long"] == 0
+    assert json.loads(stored["config_json"])["dataset_path"] == str(path)
+
+
+def test_a_sharegpt_stream_too_small_for_num_prompts_is_refused_before_the_model_is_built(tmp_path, llama_checkpoint):
+    path = sharegpt_file(tmp_path)
+    cfg = config(*TINY, "dataset=sharegpt", f"dataset_path={path}", f"weights={llama_checkpoint}", "num_prompts=6")
+    with pytest.raises(ConfigError, match=r"^num_prompts: only 5 of 6 conversations pass the filters .*prompt_too_sh"):
+        app.plan(cfg)
