@@ -39,8 +39,9 @@ class ServeConfig(Workload):
     `workload()` is the planner's Workload of this run. Setting cache or gen_len directly has no effect.
 
     Validated at construction: the serving checks that need no heavy work, in the order a user fixes them (the
-    strategy, the dtypes, the scheduler's preemption mode, the window, the device, the SLOs); the stream, the
-    budget and the Workload's own checks follow in harness.serve.run.plan, on the workloads it prices the pool with.
+    strategy, the dtypes, the scheduler's preemption mode, the dataset and its tokenizer's files, the window, the
+    device, the SLOs); the stream (a dataset read and sampled), the budget and the Workload's own checks follow in
+    harness.serve.run.plan, on the workloads it prices the pool with.
     """
 
     dtype: str = "fp32"  # compute dtype
