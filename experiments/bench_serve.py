@@ -34,6 +34,7 @@ from harness.modeling.model_args import ModelArgs
 from harness.run.versus import save_checkpoint
 from harness.serve import peer
 from harness.serve.budget import check_pool_fits
+from harness.serve.dataset import dataset_columns
 from harness.serve.engine import Engine, build_cache, check_servable, serve
 from harness.serve.kv_manager import make_kv_manager
 from harness.serve.metrics import request_row, run_metrics
@@ -130,7 +131,7 @@ def write_run(a, sweep_id: str, run_id: str, engine: str, records, duration_s: f
             "max_num_batched_tokens": a.max_num_batched_tokens, "kv_budget_bytes": pool_bytes, "num_iterations": None,
             "predicted_max_running": None,
             "mean_kv_utilization": None, "peak_kv_utilization": None, "mean_step_ms": None,
-            "mean_scheduler_ms": None}  # fmt: skip
+            "mean_scheduler_ms": None, **dataset_columns("random")}  # fmt: skip
     with ServeRunWriter(serve_run_dir(a.results_dir, run_id)) as writer:
         for record in records:
             writer.add_request(request_row(record))

@@ -4,6 +4,7 @@
     python -m experiments.serve strategy=contiguous kv_memory_gb=0.25 num_prompts=64 qps=4
     python -m experiments.serve -m experiment=serve-qps          # qps x strategy: the saturation sweep and its knee
     python -m experiments.serve trace=my_trace.jsonl               # arrival_s, prompt_len, output_len per line
+    python -m experiments.serve dataset=sharegpt weights=CKPT_DIR   # ShareGPT V3 prompts, the checkpoint's tokenizer
 
 This file is the Hydra app: the schema registered, the run named, the summary printed. The config is
 harness.serve.config.ServeConfig, and the run is harness.serve.run's plan() and run(). Everything is checked before

@@ -7,11 +7,19 @@ null; the writer refuses a row without it. Torch-free (pyarrow only), as the sto
 
 from __future__ import annotations
 
+from harness.serve.dataset import DROP_REASONS
 from harness.serve.metrics import LATENCY_METRICS
 from harness.store.schema import Column
 
 _LATENCY_NAMES = {"ttft": "time to first token", "tpot": "time per output token", "itl": "inter-token latency"}
 _LATENCY_NAMES["e2el"] = "end-to-end latency"
+DROPPED_MEANINGS = {  # harness.serve.dataset's reasons, among the conversations looked at before num_prompts were kept
+    "no_reply": "no human turn with a reply after it (those under two turns counted over the whole file)",
+    "prompt_too_short": "a prompt under 4 tokens (vLLM's is_valid_sequence)",
+    "output_too_short": "a reply under 4 tokens (vLLM's; not counted with a fixed sharegpt_output_len)",
+    "too_long": "prompt + output over max_model_len",
+}
+assert tuple(DROPPED_MEANINGS) == DROP_REASONS
 
 
 def _required(name: str, type_: str, unit: str, description: str) -> Column:
@@ -123,6 +131,18 @@ RUN_COLUMNS: tuple[Column, ...] = (
     Column("peak_kv_utilization", "float64", "", "Used / all blocks, at the fullest iteration"),
     Column("mean_step_ms", "float64", "ms", "Per iteration: the forward, host clock"),
     Column("mean_scheduler_ms", "float64", "ms", "Per iteration: schedule() and update(), host clock"),
+    Column(
+        "dataset",
+        "string",
+        "",
+        "Where the requests came from: random (the synthetic stream), trace, or sharegpt; null: a row written before "
+        "it was recorded (random)",
+    ),
+    Column("dataset_sha256", "string", "", "sha256 of the dataset file read (sharegpt); null: random or trace"),
+    *(
+        Column(f"dataset_dropped_{reason}", "int64", "", f"Conversations dropped: {meaning}; null: random or trace")
+        for reason, meaning in DROPPED_MEANINGS.items()
+    ),
 )
 
 # A sweep's knee per curve (harness.serve.fleet.knees); every column nullable: a curve without a knee has nulls.

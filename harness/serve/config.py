@@ -14,6 +14,7 @@ from typing import Any
 
 from harness.config import DTYPES, Workload, check_choice, device_type
 from harness.errors import ConfigError
+from harness.serve.dataset import DATASETS, check_tokenizer_dir
 from harness.serve.engine import SERVE_KV_DTYPES
 from harness.serve.kv_manager import check_window, serving
 from harness.serve.metrics import parse_slo_ms
@@ -22,6 +23,7 @@ from harness.serve.scheduler import SchedulerConfig
 # Workload fields a serving run does not take: the stream sets the batch, the engine runs SDPA on a float or
 # per-token-scaled pool (no int4 groups, no MLA). Each must stay at its default, so that none is silently ignored.
 NOT_SERVED = ("batch_size", "kv_group_size", "kv_residual", "attn_impl", "mla_path")
+DATASET_FIELDS = ("dataset", "dataset_path", "sharegpt_output_len")  # dataset=sharegpt's (check_dataset)
 DERIVED = {"cache": "strategy and block_size", "gen_len": "output_len"}  # set from these at construction
 
 
@@ -37,8 +39,9 @@ class ServeConfig(Workload):
     `workload()` is the planner's Workload of this run. Setting cache or gen_len directly has no effect.
 
     Validated at construction: the serving checks that need no heavy work, in the order a user fixes them (the
-    strategy, the dtypes, the scheduler's preemption mode, the window, the device, the SLOs); the stream, the
-    budget and the Workload's own checks follow in harness.serve.run.plan, on the workloads it prices the pool with.
+    strategy, the dtypes, the scheduler's preemption mode, the dataset and its tokenizer's files, the window, the
+    device, the SLOs); the stream (a dataset read and sampled), the budget and the Workload's own checks follow in
+    harness.serve.run.plan, on the workloads it prices the pool with.
     """
 
     dtype: str = "fp32"  # compute dtype
@@ -70,6 +73,11 @@ class ServeConfig(Workload):
     output_dist: str = "fixed"
     output_spread: float = 0.0
     trace: str | None = None  # JSONL or CSV: arrival_s, prompt_len, output_len
+    # random: the stream above; sharegpt: prompts and replies of ShareGPT V3 conversations, sampled as vLLM bench
+    # serve does (harness.serve.dataset), tokenized by the checkpoint's tokenizer (weights=DIR); the arrivals above
+    dataset: str = "random"
+    dataset_path: str | None = None  # sharegpt: a local ShareGPT-format JSON instead of the packaged file
+    sharegpt_output_len: int | None = None  # sharegpt: every request's output tokens; null: its reply's (vLLM's)
     text_ids: str | None = None  # a tokenized local text (a JSON list or .npy of ids) the prompts are cut from
     # SLOs with a unit ("500ms", "2s"): goodput counts the requests meeting all of them
     ttft_slo_ms: str | None = None
@@ -101,15 +109,41 @@ class ServeConfig(Workload):
         check_choice("dtype", self.dtype, tuple(DTYPES))
         check_choice("kv_dtype", self.kv_dtype_name, ("auto", *SERVE_KV_DTYPES))
         check_choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
+        self.check_dataset()
         check_window(self.strategy, self.sliding_window)
         device_type(self.device)
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             parse_slo_ms(getattr(self, name), name)
 
+    def check_dataset(self) -> None:
+        """dataset and what goes with it: a dataset's prompts come whole from its text, so the knobs that make or
+        replace prompts are refused beside it, and its text needs the checkpoint's tokenizer."""
+        check_choice("dataset", self.dataset, DATASETS)
+        if self.dataset == "random":
+            for name in ("dataset_path", "sharegpt_output_len"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"{name}: only dataset=sharegpt takes it; allowed: null with dataset=random")
+            return
+        for name, allowed in (("trace", None), ("text_ids", None), ("prefix_len", 0)):
+            if getattr(self, name) != allowed:
+                raise ConfigError(
+                    f"{name}: dataset={self.dataset} takes its prompts from its conversations; allowed: "
+                    f"{'null' if allowed is None else allowed}"
+                )
+        value = self.sharegpt_output_len
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"sharegpt_output_len: must be an integer >= 1, or null (the reply's), got {value!r}")
+        check_tokenizer_dir(self.weights)
+
     def config_dict(self) -> dict[str, Any]:
         """The config a run records (its manifest and config_json): the fields a user sets. Those derived or not
-        taken (always their defaults) are left out, so every run's config_json has the same keys, earlier ones too."""
+        taken (always their defaults) are left out, so every run's config_json has the same keys, earlier ones too;
+        so are the dataset's fields in a dataset=random run (the run row's `dataset` column says random), which keeps
+        a random run's keys those of the runs recorded before datasets existed."""
         out = {name: value for name, value in asdict(self).items() if name not in (*DERIVED, *NOT_SERVED)}
+        if self.dataset == "random":
+            for name in DATASET_FIELDS:
+                del out[name]
         out["model"] = asdict(self.model) if not isinstance(self.model, dict) else self.model
         return out
 

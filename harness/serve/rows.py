@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from harness.errors import ConfigError
 from harness.serve.columns import ITERATION_COLUMNS, REQUEST_COLUMNS, RUN_COLUMNS
+from harness.serve.dataset import DROP_REASONS
 from harness.serve.metrics import LATENCY_METRICS
 from harness.serve.scheduler import SchedulerOutput
 from harness.store import disk
@@ -54,7 +55,8 @@ RUN_FIELDS = arrow_fields(RUN_COLUMNS)  # the run row's fixed columns; run_schem
 RUN_CONTEXT = (
     "sweep_id", "engine", "strategy", "kv_dtype", "model", "device", "qps", "num_blocks", "block_size", "kv_budget_bytes",
     "max_num_seqs", "max_num_batched_tokens", "num_iterations", "predicted_max_running", "mean_kv_utilization",
-    "peak_kv_utilization", "mean_step_ms", "mean_scheduler_ms",
+    "peak_kv_utilization", "mean_step_ms", "mean_scheduler_ms", "dataset", "dataset_sha256",
+    *(f"dataset_dropped_{reason}" for reason in DROP_REASONS),
 )  # fmt: skip
 SCHEMAS = {"requests": REQUEST_SCHEMA, "iterations": ITERATION_SCHEMA}
 

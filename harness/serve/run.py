@@ -5,6 +5,7 @@ and writes the rows (harness.serve.rows). The Hydra app around them is experimen
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +17,14 @@ from harness.errors import ConfigError
 from harness.modeling.model import build_model
 from harness.serve.budget import KVBudget, bytes_per_block, check_pool_fits, kv_budget, predict_concurrency
 from harness.serve.config import ServeConfig
+from harness.serve.dataset import dataset_columns, load_tokenizer, sample_sharegpt
 from harness.serve.engine import Engine, build_cache, check_servable, serve
 from harness.serve.kv_manager import make_kv_manager, num_blocks_for, serving
 from harness.serve.metrics import request_row, run_metrics
 from harness.serve.requests import RequestSpec, describe, generate, prompt_token_ids, read_trace
 from harness.serve.rows import ServeRunWriter, iteration_row
 from harness.serve.scheduler import Scheduler, SchedulerConfig
+from harness.serve.sharegpt import read_sharegpt
 
 FLUSH_EVERY_S = 1.0  # finished requests reach disk at least this often (s), whatever ServeRunWriter's flush_every
 
@@ -41,6 +44,8 @@ class Plan:
     predicted_max_running: int | None
     budget_bytes_per_block: int
     text_ids: list[int] | None = None
+    prompt_ids: list[list[int]] | None = None  # a dataset's prompts, tokenized; None: made from the stream at run()
+    dataset_columns: dict = dataclasses.field(default_factory=dict)  # the run row's dataset, its digest, its drops
 
 
 def plan(cfg: ServeConfig) -> Plan:
@@ -49,8 +54,11 @@ def plan(cfg: ServeConfig) -> Plan:
     served = serving(cfg.strategy)
     kv_dtype, device = cfg.kv_dtype_name, device_type(cfg.device)  # "auto" resolved (harness.config, the one place)
     scheduler_config = cfg.scheduler_config()
+    prompt_ids, dataset = None, dataset_columns("trace" if cfg.trace is not None else cfg.dataset)
     if cfg.trace is not None:
         requests = read_trace(cfg.trace, max_model_len=cfg.max_model_len)
+    elif cfg.dataset == "sharegpt":
+        requests, prompt_ids, dataset = sharegpt_stream(cfg)
     else:
         spec = RequestSpec(**{name: getattr(cfg, name) for name in RequestSpec.__dataclass_fields__
                               if name not in ("seed", "max_model_len")}, seed=cfg.seed,
@@ -59,6 +67,8 @@ def plan(cfg: ServeConfig) -> Plan:
     # The planner's workload: the paged layout prices a block (every strategy's pool is one of blocks here).
     paged = cfg.workload(kv_dtype=kv_dtype, cache={"name": "paged", "block_size": cfg.block_size})
     check_servable(paged.model_args())
+    if prompt_ids is not None:
+        check_vocab(prompt_ids, vocab_size=paged.model_args().vocab_size)
     knobs = dict(max_model_len=cfg.max_model_len, device=device, max_num_batched_tokens=cfg.max_num_batched_tokens,
                  max_num_seqs=cfg.max_num_seqs)  # fmt: skip
     if cfg.kv_memory_gb is None and cfg.gpu_memory_utilization is None and device == "cuda":
@@ -86,7 +96,28 @@ def plan(cfg: ServeConfig) -> Plan:
     if text_ids is not None:  # its length and id range, against this stream and this model, before any work
         prompt_token_ids(requests, vocab_size=paged.model_args().vocab_size, seed=cfg.seed, text_ids=text_ids)
     return Plan(cfg, paged, kv_dtype, device, requests, scheduler_config, budget, num_blocks, predicted, block_bytes,
-                text_ids)  # fmt: skip
+                text_ids, prompt_ids, dataset)  # fmt: skip
+
+
+def sharegpt_stream(cfg: ServeConfig) -> tuple[list, list[list[int]], dict]:
+    """dataset=sharegpt's requests, their prompt ids (the checkpoint's tokenizer's) and the run row's dataset
+    columns: the file's digest, and the conversations dropped by reason (harness.serve.dataset)."""
+    file = read_sharegpt(cfg.dataset_path)
+    sample = sample_sharegpt(file.conversations, tokenizer=load_tokenizer(cfg.weights), num_prompts=cfg.num_prompts,
+                             seed=cfg.seed, max_model_len=cfg.max_model_len, output_len=cfg.sharegpt_output_len,
+                             qps=cfg.qps, burstiness=cfg.burstiness)  # fmt: skip
+    columns = dataset_columns("sharegpt", sha256=file.sha256, dropped=sample.dropped)
+    return sample.requests, sample.prompt_ids, columns
+
+
+def check_vocab(prompt_ids: list[list[int]], *, vocab_size: int) -> None:
+    """A tokenizer's ids must index the model's embedding: one that is not the checkpoint's is refused here."""
+    top = max(max(ids) for ids in prompt_ids)
+    if top >= vocab_size:
+        raise ConfigError(
+            f"weights: the tokenizer gives id {top}, past the model's vocab_size={vocab_size}; allowed: a checkpoint "
+            "whose tokenizer matches its model"
+        )
 
 
 def read_text_ids(path: str) -> list[int]:
@@ -136,7 +167,9 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
                                    dtype=cfg.dtype)  # fmt: skip
     engine = Engine(model, cache, num_slots=num_slots, window=cfg.sliding_window)
     scheduler = Scheduler(p.scheduler_config, kv_manager(cfg, p.num_blocks))
-    prompts = prompt_token_ids(p.requests, vocab_size=args.vocab_size, seed=cfg.seed, text_ids=p.text_ids)
+    prompts = p.prompt_ids
+    if prompts is None:
+        prompts = prompt_token_ids(p.requests, vocab_size=args.vocab_size, seed=cfg.seed, text_ids=p.text_ids)
     if cfg.warmup:
         warm_up(model, cache, block_size=cfg.block_size, paged=num_slots is None)
     used, steps_ms, scheduler_ms = [], [], []
@@ -181,6 +214,7 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
         "peak_kv_utilization": max(used) / p.num_blocks,
         "mean_step_ms": sum(steps_ms) / len(steps_ms),
         "mean_scheduler_ms": sum(scheduler_ms) / len(scheduler_ms),
+        **p.dataset_columns,
     }
     writer.close(row, config=cfg.config_dict())
     return row

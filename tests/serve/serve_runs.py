@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from harness.serve.dataset import dataset_columns
 from harness.serve.kv_manager import make_kv_manager
 from harness.serve.metrics import request_row, run_metrics
 from harness.serve.requests import RequestSpec, generate
@@ -108,6 +109,7 @@ def write_run(
             "peak_kv_utilization": max(utilization),
             "mean_step_ms": sum(row["step_ms"] for row in iterations) / len(iterations),
             "mean_scheduler_ms": 0.0,
+            **dataset_columns("random"),
         }
         metrics = run_metrics(simulation.records, duration_s, ttft_slo_ms=TTFT_SLO_MS)
         writer.close({**metrics, **context}, config={"strategy": strategy, "qps": qps})

@@ -26,6 +26,7 @@ import pytest
 
 from harness.errors import ConfigError
 from harness.serve import fleet
+from harness.serve.dataset import dataset_columns
 from harness.serve.kv_manager import make_kv_manager
 from harness.serve.metrics import request_row, run_metrics
 from harness.serve.requests import RequestSpec, generate
@@ -61,7 +62,7 @@ def write_run(results_dir: Path, *, run_id: str, sweep_id: str, strategy: str, q
         "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
         "num_iterations": len(iterations), "predicted_max_running": None, "mean_kv_utilization": sum(used) / len(used),
         "peak_kv_utilization": max(used), "mean_step_ms": sum(r["step_ms"] for r in iterations) / len(iterations),
-        "mean_scheduler_ms": 0.0,
+        "mean_scheduler_ms": 0.0, **dataset_columns("random"),
     }  # fmt: skip
     writer = ServeRunWriter(serve_run_dir(results_dir, run_id), flush_every=1024)
     for record in records:

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from harness.errors import ConfigError
+from harness.serve.dataset import dataset_columns
 from harness.serve.kv_manager import make_kv_manager
 from harness.serve.metrics import RequestRecord, request_row, run_metrics
 from harness.serve.requests import Request
@@ -41,7 +42,7 @@ CONTEXT = {
     "qps": float("inf"), "num_blocks": 64, "block_size": 16, "kv_budget_bytes": 2**20, "max_num_seqs": 4,
     "max_num_batched_tokens": 16, "num_iterations": 9,
     "predicted_max_running": None, "mean_kv_utilization": 0.25, "peak_kv_utilization": 0.5, "mean_step_ms": 3.0,
-    "mean_scheduler_ms": 0.1,
+    "mean_scheduler_ms": 0.1, **dataset_columns("random"),
 }  # fmt: skip
 
 
