@@ -1,5 +1,5 @@
-"""The dashboard's loaders (dashboard/data.py) as plain functions: filters, rows tagged by their source, unreadable files
-named, frontier and top-ops tables, and the export bytes.
+"""The dashboard's loaders (dashboard/data.py) as plain functions: filters, rows tagged by their source, unreadable
+files named, frontier and top-ops tables, and the export bytes.
 
 The fixture results' builders live here (the committed reference rows written back with
 harness.store.disk.write_point, a small batch sweep for the knee, a profiler top-ops table and a capacity frontier

@@ -1,5 +1,5 @@
-"""harness.store's load and index: rows merged from nested folders, stray, corrupt and foreign files skipped, one copy of
-a measurement stored twice, and the index's columns."""
+"""harness.store's load and index: rows merged from nested folders, stray, corrupt and foreign files skipped, one copy
+of a measurement stored twice, and the index's columns."""
 
 from __future__ import annotations
 
