@@ -1,4 +1,4 @@
-"""Host memory a cache hands to the GPU, behind two small seams (tests/cuda/test_cuda_trace.py replaces them).
+"""Host memory a cache hands to the GPU, behind two small seams (tests/cuda/conftest.py's fake_cuda replaces them).
 
 `pinned(t)`: a page-locked copy of a small host tensor, such as a block table's new rows, so that its copy to the
 device can be asynchronous: `copy_(..., non_blocking=True)` from pageable memory makes the host wait for the copy.

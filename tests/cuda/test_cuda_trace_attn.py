@@ -18,14 +18,11 @@ from tests.cuda.test_cuda_trace import (
     GEN_LEN,
     OPTIONS,
     FakeTimer,
-    fake_cuda,
     host_prompt,
     pytestmark,  # noqa: F401 (cuda_trace, and the skip on a CPU build of torch)
     spec_for,
     watched_step,
 )
-
-__all__ = ["fake_cuda"]  # the fixture, imported for pytest to find
 
 POINTS = [("contiguous", "bf16"), ("contiguous", "int8"), ("paged", "bf16"), ("paged", "fp8_e4m3"), ("sliding", "bf16")]
 

@@ -11,8 +11,6 @@ from harness.modeling.decode import generate
 from tests.cuda import test_cuda_trace as trace
 from tests.cuda.test_cuda_trace import CUDA, GEN_LEN, FakeTimer, host_prompt, spec_for, watched_step
 
-fake_cuda = trace.fake_cuda  # the shared fixture: the fake mode and the fake models
-
 pytestmark = [pytest.mark.cuda_trace]
 if not trace._is_cuda_build():
     pytestmark.append(pytest.mark.skip(reason="fake CUDA needs the CUDA build of torch: run `make test-cuda-trace`"))

@@ -45,7 +45,7 @@ PRESETS = ("deepseek-v2-lite", "deepseek-v3")  # q as one projection, and q's lo
 
 @pytest.fixture(scope="module")
 def fake_cuda():
-    """FakeTensorMode on CUDA with the seams an H200 would answer (as tests/cuda/test_cuda_trace.py's fixture)."""
+    """FakeTensorMode on CUDA with the seams an H200 would answer (as tests/cuda/conftest.py's fake_cuda)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from harness.kv import host, triton_paged

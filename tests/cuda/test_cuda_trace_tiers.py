@@ -14,8 +14,6 @@ from harness.modeling.decode import generate
 from tests.cuda import test_cuda_trace as trace
 from tests.cuda.test_cuda_trace import BATCH, CUDA, DTYPE, GEN_LEN, PROMPT_LEN, FakeTimer, host_prompt, watched_step
 
-fake_cuda = trace.fake_cuda  # the shared fixture: the fake mode and the fake models
-
 pytestmark = [pytest.mark.cuda_trace]
 if not trace._is_cuda_build():
     pytestmark.append(pytest.mark.skip(reason="fake CUDA needs the CUDA build of torch: run `make test-cuda-trace`"))

@@ -3,7 +3,7 @@ written by the run (harness.run.point.planner_kv_bytes) and held to what the cac
 the committed reference rows (whose figures scripts/backfill_kv_bytes_planner.py filled in from their columns).
 
 The memory page shows it beside kv_bytes_predicted, the seed notes' formula B × S × bytes per token (no scales, no
-block rounding, no prefix sharing); tests/dashboard/test_dashboard.py holds the page to that.
+block rounding, no prefix sharing); tests/dashboard/test_dashboard_pages.py holds the page to that.
 """
 
 from __future__ import annotations

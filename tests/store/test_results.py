@@ -1,9 +1,7 @@
-"""harness.store: the column contract, atomic point files, load, export and the summary table."""
+"""harness.store: the column contract, its schema and the README's column table, and atomic point files."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from pathlib import Path
 
@@ -12,11 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from harness.store import atomic, cli, disk, schema
+from harness.store import atomic, disk, schema
 from harness.store.disk import load, write_point
-from harness.store.maintain import export
 from harness.store.schema import COLUMNS, SCHEMA_VERSION, columns_markdown
-from harness.store.summary import format_summary
 
 README_PATH = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -154,118 +150,6 @@ def test_writer_failing_mid_file_leaves_nothing_behind(tmp_path, monkeypatch):
     assert load(tmp_path).empty
 
 
-def test_load_merges_rows_from_nested_directories(tmp_path):
-    write_point(_row(point_id="a", sweep_id="s1"), tmp_path / "s1")
-    write_point(_row(point_id="b", sweep_id="s2"), tmp_path / "s2" / "multirun" / "0")
-    write_point(_row(point_id="c", sweep_id="s2"), tmp_path / "s2" / "multirun" / "1")
-
-    assert sorted(load(tmp_path)["point_id"]) == ["a", "b", "c"]
-
-
-def test_load_ignores_stray_temp_and_hidden_files(tmp_path):
-    write_point(_row(point_id="a"), tmp_path)
-    # What a writer killed between writing and renaming leaves behind, and an editor's hidden copies.
-    (tmp_path / f".b.parquet.tmp-{os.getpid()}").write_bytes(b"PAR1 truncated")
-    (tmp_path / ".c.parquet").write_bytes(b"PAR1 truncated")
-    (tmp_path / ".ipynb_checkpoints").mkdir()
-    write_point(_row(point_id="d"), tmp_path / ".ipynb_checkpoints")
-
-    assert load(tmp_path)["point_id"].tolist() == ["a"]
-
-
-@pytest.mark.parametrize("make_dir", [True, False], ids=["empty", "missing"])
-def test_load_without_rows_gives_an_empty_frame_with_every_column(tmp_path, make_dir):
-    directory = tmp_path / "results"
-    if make_dir:
-        directory.mkdir()
-
-    loaded = load(directory)
-
-    assert loaded.empty
-    assert list(loaded.columns) == [c.name for c in COLUMNS]
-    assert loaded["batch_size"].dtype == "Int64"
-
-
-def test_load_skips_a_garbage_file_naming_it_and_keeps_every_other_row(tmp_path, caplog):
-    write_point(_row(point_id="a"), tmp_path)
-    write_point(_row(point_id="b"), tmp_path / "sweep")
-    (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
-    skipped: list[str] = []
-
-    loaded = load(tmp_path, skipped=skipped)
-
-    assert sorted(loaded["point_id"]) == ["a", "b"]
-    assert len(skipped) == 1 and "broken.parquet" in skipped[0]
-    assert "broken.parquet" in caplog.text
-
-
-def test_load_skips_a_truncated_file(tmp_path):
-    good = write_point(_row(point_id="a"), tmp_path)
-    data = write_point(_row(point_id="b"), tmp_path).read_bytes()
-    (tmp_path / "b.parquet").write_bytes(data[: len(data) // 2])
-    skipped: list[str] = []
-
-    loaded = load(tmp_path, skipped=skipped)
-
-    assert loaded["point_id"].tolist() == ["a"]
-    assert good.exists() and "b.parquet" in skipped[0]
-
-
-def test_load_skips_a_foreign_parquet_table(tmp_path):
-    write_point(_row(point_id="a"), tmp_path)
-    pd.DataFrame({"x": [1, 2]}).to_parquet(tmp_path / "foreign.parquet")
-    skipped: list[str] = []
-
-    loaded = load(tmp_path, skipped=skipped)
-
-    assert loaded["point_id"].tolist() == ["a"]
-    assert "foreign.parquet" in skipped[0] and "point_id" in skipped[0]
-
-
-def test_load_ignores_capacity_frontier_tables_silently(tmp_path):
-    write_point(_row(point_id="a"), tmp_path)
-    (tmp_path / "capacity").mkdir()
-    pd.DataFrame({"context": [512]}).to_parquet(tmp_path / "capacity" / "frontier-20260101-000000.parquet")
-    skipped: list[str] = []
-
-    assert load(tmp_path, skipped=skipped)["point_id"].tolist() == ["a"]
-    assert skipped == []
-
-
-def test_load_of_a_serving_folder_or_run_reads_no_rows_and_skips_nothing(tmp_path):
-    # kvbench-results pointed at <results>/serve or one run in it: its parts are serving tables, not point rows.
-    run = tmp_path / disk.SERVE_DIR / "run-1"
-    run.mkdir(parents=True)
-    for name in ("requests-00000.parquet", "iterations-00000.parquet", "run.parquet"):
-        pd.DataFrame({"run_id": ["run-1"]}).to_parquet(run / name)
-    for folder in (tmp_path / disk.SERVE_DIR, run):
-        skipped: list[str] = []
-        assert load(folder, skipped=skipped).empty and skipped == []
-
-
-def test_load_of_one_corrupt_file_given_by_name_raises_naming_it(tmp_path):
-    (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
-
-    with pytest.raises(ValueError, match="broken.parquet"):
-        load(tmp_path / "broken.parquet")
-
-
-def test_export_skips_a_corrupt_file_and_keeps_the_rest(tmp_path):
-    write_point(_row(point_id="a"), tmp_path / "results")
-    (tmp_path / "results" / "broken.parquet").write_bytes(b"garbage")
-
-    out = export(tmp_path / "results", tmp_path / "all.csv")
-
-    assert pd.read_csv(out)["point_id"].tolist() == ["a"]
-
-
-def test_load_accepts_a_single_parquet_file(tmp_path):
-    write_point(_row(point_id="a"), tmp_path)
-    path = write_point(_row(point_id="b"), tmp_path)
-
-    assert load(path)["point_id"].tolist() == ["b"]
-
-
 def test_columns_come_in_contract_order(tmp_path):
     write_point(_row(), tmp_path)
 
@@ -297,134 +181,6 @@ def test_columns_from_a_newer_schema_are_kept_at_the_end(tmp_path):
     assert loaded.columns[-1] == "energy_j"
     assert loaded.loc["later", "energy_j"] == 12.5
     assert pd.isna(loaded.loc["now", "energy_j"])
-
-
-def test_export_to_csv_writes_itl_as_a_json_list(tmp_path):
-    write_point(_row(point_id="a"), tmp_path / "results")
-    write_point(_row(point_id="b", status="oom", error="out of memory", itl_ms=None), tmp_path / "results")
-
-    out = export(tmp_path / "results", tmp_path / "all.csv")
-    table = pd.read_csv(out).set_index("point_id")
-
-    assert list(table.reset_index().columns) == [c.name for c in COLUMNS]
-    assert json.loads(table.loc["a", "itl_ms"]) == [1.25, 1.5, 1.75]
-    assert pd.isna(table.loc["b", "itl_ms"])
-
-
-def test_export_to_parquet_keeps_types_and_rows(tmp_path):
-    write_point(_row(point_id="a"), tmp_path / "results")
-    write_point(_row(point_id="b"), tmp_path / "results" / "nested")
-
-    out = export(tmp_path / "results", tmp_path / "export" / "all.parquet")
-
-    assert pq.read_schema(out).field("block_size").type == pa.int64()
-    assert sorted(load(out)["point_id"]) == ["a", "b"]
-    assert load(out).loc[0, "itl_ms"] == [1.25, 1.5, 1.75]
-
-
-def test_export_rejects_an_unknown_suffix_naming_the_allowed_ones(tmp_path):
-    write_point(_row(), tmp_path / "results")
-
-    with pytest.raises(ValueError, match=r"\.csv.*\.parquet"):
-        export(tmp_path / "results", tmp_path / "all.xlsx")
-    assert not (tmp_path / "all.xlsx").exists()
-
-
-def test_export_refuses_a_parquet_file_inside_its_own_source(tmp_path):
-    write_point(_row(), tmp_path)
-
-    with pytest.raises(ValueError, match="duplicate rows"):
-        export(tmp_path, tmp_path / "all.parquet")
-
-
-def test_cli_export_writes_the_file(tmp_path):
-    write_point(_row(), tmp_path / "results")
-
-    assert cli.main(["export", str(tmp_path / "results"), str(tmp_path / "all.csv")]) == 0
-    assert pd.read_csv(tmp_path / "all.csv")["point_id"].tolist() == ["p0"]
-
-
-def test_cli_export_with_a_bad_suffix_exits_nonzero(tmp_path, caplog):
-    write_point(_row(), tmp_path / "results")
-
-    assert cli.main(["export", str(tmp_path / "results"), str(tmp_path / "all.json")]) == 2
-    assert ".csv" in caplog.text
-
-
-def test_cli_show_filters_by_sweep(tmp_path, capsys):
-    write_point(_row(point_id="a", sweep_id="s1", model="alpha"), tmp_path)
-    write_point(_row(point_id="b", sweep_id="s2", model="beta"), tmp_path)
-
-    assert cli.main(["show", str(tmp_path), "--sweep", "s2"]) == 0
-    printed = capsys.readouterr().out
-
-    assert "beta" in printed
-    assert "alpha" not in printed
-
-
-@pytest.mark.parametrize(
-    "arguments",
-    [
-        ["show", "{missing}"],
-        ["export", "{missing}", "{tmp}/all.csv"],
-        ["compact", "{missing}"],
-        ["diff", "{missing}", "aaaa", "bbbb"],
-        ["compare", "{missing}", "{tmp}"],
-        ["compare", "{tmp}", "{missing}"],
-    ],
-    ids=["show", "export", "compact", "diff", "compare-a", "compare-b"],
-)
-def test_cli_refuses_a_missing_path_with_one_line_and_exit_2_before_reading_anything(
-    tmp_path, capsys, monkeypatch, arguments
-):
-    monkeypatch.setattr(disk, "parquet_files", lambda path: pytest.fail(f"read {path}"))  # every reader lists here
-    missing = tmp_path / "no" / "such" / "dir"
-    argv = [argument.format(missing=missing, tmp=tmp_path) for argument in arguments]
-    assert cli.main(argv) == 2
-    printed = capsys.readouterr()
-    assert printed.err == f"kvbench-results {argv[0]}: {missing}: no such file or directory\n"
-    assert printed.out == "" and not (tmp_path / "all.csv").exists()
-
-
-def test_cli_show_of_an_existing_empty_folder_says_no_results_and_exits_0(tmp_path, capsys):
-    assert cli.main(["show", str(tmp_path)]) == 0
-    assert capsys.readouterr().out == "(no results)\n"
-
-
-def test_cli_columns_prints_the_markdown_table(capsys):
-    assert cli.main(["columns"]) == 0
-    assert capsys.readouterr().out == columns_markdown()
-
-
-def test_summary_has_one_line_per_row_sorted_with_nulls_as_dashes(tmp_path):
-    write_point(_row(point_id="b", model="tiny", batch_size=8), tmp_path)
-    write_point(_row(point_id="a", model="tiny", batch_size=1, tpot_ms=None), tmp_path)
-
-    lines = format_summary(load(tmp_path)).splitlines()
-
-    assert len(lines) == 3
-    assert lines[0].split()[:3] == ["status", "model", "cache"]
-    batch_column = lines[0].index("batch") + len("batch")
-    assert [line[:batch_column].split()[-1] for line in lines[1:]] == ["1", "8"]
-    assert re.search(r"\s-\s", lines[1])
-    assert "3.0" in lines[1]  # KV alloc: 3 MiB
-
-
-def test_summary_ends_failed_rows_with_their_shortened_error(tmp_path):
-    long_error = "CUDA out of memory. " + "Tried to allocate 2.00 GiB; " * 10 + "\nTraceback follows"
-    write_point(_row(point_id="a"), tmp_path)
-    write_point(_row(point_id="b", status="oom", error=long_error, ttft_ms=None), tmp_path)
-
-    ok_line, oom_line = format_summary(load(tmp_path)).splitlines()[1:]
-
-    assert "CUDA out of memory" not in ok_line
-    tail = oom_line[oom_line.index("CUDA out of memory") :]
-    assert len(tail) <= 60
-    assert oom_line.startswith("oom")
-
-
-def test_summary_of_no_rows_says_so():
-    assert format_summary(load(Path("/nonexistent/results"))) == "(no results)"
 
 
 def test_columns_markdown_lists_every_column():
@@ -467,70 +223,6 @@ def test_readme_column_table_is_current():
 
     assert match, f"{README_PATH} needs the column table between <!-- columns:start --> and <!-- columns:end -->"
     assert match.group(1).strip() == columns_markdown().strip()
-
-
-def test_load_keeps_one_copy_of_a_measurement_stored_twice_and_both_runs_of_a_point(tmp_path):
-    write_point(_row(point_id="a", started_at="2026-12-01T00:00:00+00:00"), tmp_path / "s1")
-    write_point(_row(point_id="a", started_at="2026-12-01T00:00:00+00:00"), tmp_path / "copy-of-s1")
-    write_point(_row(point_id="a", started_at="2026-12-01T01:00:00+00:00"), tmp_path / "rerun")
-
-    assert sorted(load(tmp_path)["started_at"]) == ["2026-12-01T00:00:00+00:00", "2026-12-01T01:00:00+00:00"]
-
-
-def test_index_has_a_line_per_row_with_its_file(tmp_path):
-    write_point(_row(point_id="a", status="ok"), tmp_path / "s1")
-    write_point(_row(point_id="b", status="oom", error="CUDA out of memory"), tmp_path / "s1")
-    export(tmp_path / "s1", tmp_path / "s2" / "compacted-20261201-000000-000000.parquet")  # a file of many rows
-    write_point(_row(point_id="c", sweep_id="s2"), tmp_path / "s2")
-
-    lines = disk.index(tmp_path).sort_values(["point_id", "path"], ignore_index=True)
-
-    assert list(lines.columns) == [*disk.INDEX_COLUMNS, "path"]
-    assert lines["point_id"].tolist() == ["a", "b", "c"]  # a and b are in two files: one measurement each
-    assert lines["status"].tolist() == ["ok", "oom", "ok"]
-    assert lines["error"].tolist()[1] == "CUDA out of memory"
-    assert lines["path"].tolist()[2] == str(tmp_path / "s2" / "c.parquet")
-
-
-def test_index_reads_only_its_columns(tmp_path, monkeypatch):
-    write_point(_row(point_id="a"), tmp_path)
-    asked = []
-    read = pq.ParquetFile.read
-
-    def spy(self, columns=None, **kwargs):
-        asked.append(columns)
-        return read(self, columns, **kwargs)
-
-    monkeypatch.setattr(pq.ParquetFile, "read", spy)
-    monkeypatch.setattr(pq, "read_table", lambda *args, **kwargs: pytest.fail("index read a whole table"))
-
-    disk.index(tmp_path)
-
-    assert asked == [list(disk.INDEX_COLUMNS)]  # not itl_ms, not the hundred other columns
-
-
-def test_index_gives_nulls_for_columns_a_file_lacks_and_skips_unreadable_files(tmp_path):
-    pq.write_table(pa.table({"point_id": ["old"], "status": ["ok"]}), tmp_path / "old.parquet")
-    (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
-    pq.write_table(pa.table({"x": [1]}), tmp_path / "foreign.parquet")
-    skipped: list[str] = []
-
-    lines = disk.index(tmp_path, skipped=skipped)
-
-    assert lines["point_id"].tolist() == ["old"]
-    assert lines[["sweep_id", "error", "device_name", "started_at"]].isna().all(axis=None)
-    assert sorted(Path(entry.split(":")[0]).name for entry in skipped) == ["broken.parquet", "foreign.parquet"]
-
-
-@pytest.mark.parametrize("make_dir", [True, False], ids=["empty", "missing"])
-def test_index_without_rows_is_an_empty_frame_with_its_columns(tmp_path, make_dir):
-    directory = tmp_path / "results"
-    if make_dir:
-        directory.mkdir()
-
-    lines = disk.index(directory)
-
-    assert lines.empty and list(lines.columns) == [*disk.INDEX_COLUMNS, "path"]
 
 
 def test_the_schema_has_one_share_column_per_profiler_category_and_imports_no_torch():
