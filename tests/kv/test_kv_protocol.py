@@ -134,9 +134,7 @@ def test_what_harness_kv_may_import_imports_nothing_else_of_harness(module):
 
 
 def test_the_import_scan_sees_type_checking_blocks_and_from_harness_imports(tmp_path):
-    code = (
-        "from typing import TYPE_CHECKING\nfrom harness import kv, analytic\nif TYPE_CHECKING:\n    import harness.config\n"
-    )
+    code = "from typing import TYPE_CHECKING\nfrom harness import kv, analytic\nif TYPE_CHECKING:\n    import harness.config\n"
     (tmp_path / "m.py").write_text(code)
     assert harness_imports(tmp_path / "m.py") == [(2, "harness.kv"), (2, "harness.analytic"), (4, "harness.config")]
 
