@@ -44,7 +44,7 @@ def mla_forward_bytes(w: Workload, *, n_seqs: int, n_new: int, n_keys: int) -> i
         mlp      x, h, ffn_norm(h) (3·d) + gate|up (2·F) + silu(gate) (F) + silu·up (F)
         logits   the last layer's output (d) + B × vocab logits
     """
-    mla_path = getattr(w, "mla_path", "absorbed")
+    mla_path = w.mla_path
     check_path(mla_path)
     if n_new > 1:  # a prefill runs decompressed whatever the decode path (harness.modeling.mla.MLAttention.forward)
         mla_path = "naive"
