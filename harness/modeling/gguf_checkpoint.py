@@ -20,6 +20,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -28,7 +29,11 @@ from pathlib import Path
 from harness.errors import ConfigError
 from harness.modeling.presets import WHEEL_WEIGHTS
 
-ARCHITECTURES = ("llama",)  # what harness.modeling.model computes; transformers reads Mistral GGUFs as llama too
+log = logging.getLogger(__name__)
+
+# What harness.modeling.model computes. llama.cpp writes Mistral's GGUFs as llama too; transformers reads those back
+# as mistral, which the model computes as well.
+ARCHITECTURES = ("llama",)
 PARTIAL = ".partial-"  # .partial-<sha256>-<random>: a conversion under way, or one that was killed
 # What make setup installs; each missing one is named with the pip install that brings it.
 PIP = {"gguf": "gguf==0.19.0", "transformers": "'transformers>=4.45'", "accelerate": "accelerate==1.16.0"}
@@ -82,6 +87,7 @@ def checkpoint_dir(gguf_path: Path, *, field: str = "weights", root: Path | None
         for stale in root.glob(f"{PARTIAL}{digest}-*"):  # a killed conversion's; the lock says none is running
             shutil.rmtree(stale, ignore_errors=True)
         partial = Path(tempfile.mkdtemp(prefix=f"{PARTIAL}{digest}-", dir=root))
+        log.info("converting %s once into %s (later runs reuse it)", gguf_path.name, whole)
         try:
             convert(gguf_path, partial / gguf_path.stem)
             source = {"gguf": str(gguf_path.resolve()), "sha256": digest, "bytes": gguf_path.stat().st_size}
