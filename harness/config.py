@@ -24,7 +24,7 @@ from harness import kv
 from harness.errors import ConfigError
 from harness.formats import ATTN_IMPLS, COMPILE_MODES, KV_DTYPES, KV_GROUP_SIZES
 from harness.kv.quant import PLAIN
-from harness.modeling.gguf_checkpoint import resolve_weights
+from harness.modeling.gguf_checkpoint import portable_weights, resolve_weights
 from harness.modeling.mla import MLA_PATHS
 from harness.modeling.model_args import ModelArgs, load_args
 from harness.modeling.resolve import resolve_model
@@ -313,6 +313,7 @@ class RunConfig(Workload):
             ):
                 measured.pop(f.name)
         measured.update(device=self.torch_device().type, kv_dtype=self.kv_dtype_name)
+        measured["weights"] = portable_weights(self.weights)  # a converted GGUF's, wherever the cache is
         later = kv.later_option_defaults(self.cache["name"])  # a strategy option added after rows were recorded
         measured["cache"] = {k: v for k, v in self.cache.items() if not (k in later and v == later[k])}
         blob = json.dumps(measured, sort_keys=True, default=str)

