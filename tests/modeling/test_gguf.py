@@ -4,8 +4,13 @@ load is refused in one line before anything is written."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +29,7 @@ from harness.modeling.model_args import load_args
 gguf = pytest.importorskip("gguf", reason="needs gguf: pip install gguf==0.19.0 (make setup does)")
 
 CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[2]
 SENTENCE = "The Eiffel Tower was built for the 1889 World's Fair in Paris, and it is now"
 DECODE_STEPS = 8
 
@@ -166,6 +172,36 @@ def smollm2() -> tuple[Path, Path]:
     pytest.importorskip("transformers", reason="needs transformers: pip install 'transformers>=4.45'")
     pytest.importorskip("accelerate", reason="needs accelerate: pip install accelerate==1.16.0")
     return path, checkpoint_dir(path, field="model")
+
+
+@pytest.mark.slow
+def test_a_conversion_killed_midway_leaves_no_checkpoint_and_the_next_run_converts(tmp_path, monkeypatch):
+    try:
+        path = wheel_gguf("smollm2-135m")
+    except ConfigError as exc:
+        pytest.skip(str(exc))
+    root = tmp_path / "cache"
+    code = (
+        "from pathlib import Path; from harness.modeling.gguf_checkpoint import checkpoint_dir; "
+        f"checkpoint_dir(Path({str(path)!r}), root=Path({str(root)!r}))"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(root.glob(".partial-*")) and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # inside transformers' import or its dequantization
+    child.kill()  # SIGKILL: no except clause runs, as after a power cut or the OOM killer
+    assert child.wait() == -signal.SIGKILL  # killed, not finished
+    (lock_path,) = root.glob("*.lock")
+    assert len(list(root.glob(".partial-*"))) == 1  # the half-built folder: hidden, and never taken for a checkpoint
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".partial-")) == [lock_path.name]
+    with lock_path.open() as lock:  # the kernel released the dead process's lock: the next run need not wait
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    calls = []
+    monkeypatch.setattr(gguf_checkpoint, "convert", fake_convert(calls))  # the next run, faked
+    assert (checkpoint_dir(path, root=root) / "config.json").is_file()
+    assert len(calls) == 1 and not list(root.glob(".partial-*"))  # the dead run's half removed
 
 
 def test_model_smollm2_alone_runs_the_converted_checkpoint(smollm2):
