@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 
 from harness.errors import ConfigError
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 # What harness.modeling.model computes. llama.cpp writes Mistral's GGUFs as llama too; transformers reads those back
 # as mistral, which the model computes as well.
 ARCHITECTURES = ("llama",)
-PARTIAL = ".partial-"  # .partial-<sha256>-<random>: a conversion under way, or one that was killed
+PARTIAL = ".partial-"  # .partial-<sha256>-<pid>-<random>: a conversion under way, or one that was killed
 # What make setup installs; each missing one is named with the pip install that brings it.
 PIP = {"gguf": "gguf==0.19.0", "transformers": "'transformers>=4.45'", "accelerate": "accelerate==1.16.0"}
 
@@ -97,7 +97,9 @@ def checkpoint_dir(gguf_path: Path, *, field: str = "weights", root: Path | None
             return _only_checkpoint(whole)
         for stale in root.glob(f"{PARTIAL}{digest}-*"):  # a killed conversion's; the lock says none is running
             shutil.rmtree(stale, ignore_errors=True)
-        partial = Path(tempfile.mkdtemp(prefix=f"{PARTIAL}{digest}-", dir=root))
+        # pid and a random part, as harness.store.atomic's temp files; mkdir keeps the umask (mkdtemp would be 0700)
+        partial = root / f"{PARTIAL}{digest}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        partial.mkdir()
         log.info("converting %s once into %s (later runs reuse it)", gguf_path.name, whole)
         try:
             convert(gguf_path, partial / gguf_path.stem)
