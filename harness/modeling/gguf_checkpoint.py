@@ -193,7 +193,10 @@ def _stamp(path: Path) -> tuple[int, int]:
 
 def _only_checkpoint(whole: Path) -> Path:
     """The one checkpoint folder a whole conversion holds (named after the first file converted)."""
-    return next(p for p in sorted(whole.iterdir()) if p.is_dir())
+    folders = [p for p in sorted(whole.iterdir()) if p.is_dir()]
+    if not folders:  # emptied by hand: the rename happened only after the checkpoint was written
+        raise ConfigError(f"weights: the cached conversion {whole} holds no checkpoint; fix: delete it and run again")
+    return folders[0]
 
 
 def _fsync_tree(folder: Path) -> None:
