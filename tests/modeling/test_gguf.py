@@ -25,6 +25,7 @@ from harness.modeling.decode import decode_logits, prefill_logits
 from harness.modeling.gguf_checkpoint import checkpoint_dir, wheel_gguf
 from harness.modeling.model import build_model
 from harness.modeling.model_args import load_args
+from harness.modeling.resolve import resolve_model
 
 gguf = pytest.importorskip("gguf", reason="needs gguf: pip install gguf==0.19.0 (make setup does)")
 
@@ -212,6 +213,7 @@ def test_model_smollm2_alone_runs_the_converted_checkpoint(smollm2):
     assert (args.n_layers, args.dim, args.n_heads, args.n_kv_heads, args.vocab_size) == (30, 576, 9, 3, 49152)
     assert args.tie_embeddings
     assert RunConfig(device="cpu", weights=str(smollm2[0]), dtype="fp32").weights == str(directory)  # the same file
+    assert resolve_model("smollm2-135m") == args  # the planner's name for it, as for any preset
 
 
 @pytest.mark.slow
