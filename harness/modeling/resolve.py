@@ -7,13 +7,15 @@ import json
 from pathlib import Path
 
 from harness.errors import ConfigError
+from harness.modeling.gguf_checkpoint import resolve_weights
 from harness.modeling.model_args import SUPPORTED_MODEL_TYPES, ModelArgs
-from harness.modeling.presets import PRESETS
+from harness.modeling.presets import PRESETS, WHEEL_WEIGHTS
 
 
 def resolve_model(model: str | Path | dict | ModelArgs) -> ModelArgs:
     """A preset name, a local directory holding a Hugging Face config.json (or the file), a config dict, or
-    ModelArgs -> ModelArgs. Only the config is read: no weights are needed to plan."""
+    ModelArgs -> ModelArgs. Only the config is read: no weights are needed to plan (a wheel model or a GGUF file is
+    converted once first, harness.modeling.gguf_checkpoint, since its config is that checkpoint's)."""
     if isinstance(model, ModelArgs):
         return model
     if isinstance(model, dict):
@@ -21,13 +23,16 @@ def resolve_model(model: str | Path | dict | ModelArgs) -> ModelArgs:
     name = str(model)
     if name in PRESETS:
         return ModelArgs.from_name(name)
+    if name in WHEEL_WEIGHTS or name.lower().endswith(".gguf"):  # its converted checkpoint's config.json
+        name = resolve_weights(name, "dummy") if name in WHEEL_WEIGHTS else resolve_weights("", name)
     path = Path(name)
     if path.is_dir():
         path = path / "config.json"
     if path.is_file() and path.suffix == ".json":
         return _from_hf_config(json.loads(path.read_text()), name=path.resolve().parent.name)
     raise ConfigError(
-        f"model: unknown preset {name!r}; allowed: {', '.join(PRESETS)}, or a local directory with a config.json"
+        f"model: unknown preset {name!r}; allowed: {', '.join([*PRESETS, *WHEEL_WEIGHTS])}, a local directory with a "
+        "config.json, or a .gguf file"
     )
 
 
