@@ -34,12 +34,15 @@ def last_line(result: subprocess.CompletedProcess) -> str:
         ("experiments.serve", [*SERVE_TINY, "tpot_slo_ms=fast"], "tpot_slo_ms: 'fast' is not a duration"),
         ("experiments.serve", ["-m", *SERVE_TINY, "tpot_slo_ms=fast,1s"], "tpot_slo_ms: 'fast' is not a duration"),
         ("experiments.serve", [*SERVE_TINY, "model=mla-tiny"], "model: mla-tiny is MLA"),
+        ("experiments.serve", [*SERVE_TINY, "dataset=sharegpt"], "dataset: sharegpt needs a tokenizer"),
+        ("experiments.decode", ["weights=/nonexistent/model.gguf"], "weights: "),
         ("experiments.pd", ["kv_dtypes=[bogus]"], "kv_dtypes: unknown 'bogus'"),
         ("experiments.tiers", ["block_tokens=[0]"], "block_tokens: must be a non-empty list"),
         ("experiments.capacity", ["mode=bogus"], "mode: unknown value 'bogus'"),
         ("experiments.ceilings", ["device=bogus"], "device: unknown value 'bogus'"),
     ],
-    ids=["decode", "decode-multirun", "serve", "serve-multirun", "serve-mla", "pd", "tiers", "capacity", "ceilings"],
+    ids=["decode", "decode-multirun", "serve", "serve-multirun", "serve-mla", "serve-sharegpt-dummy", "decode-gguf-missing",
+         "pd", "tiers", "capacity", "ceilings"],  # fmt: skip
 )
 def test_a_rejected_config_is_one_line_and_leaves_no_folder(tmp_path, module, overrides, message):
     result = run(module, tmp_path, *overrides)
