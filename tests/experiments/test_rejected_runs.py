@@ -41,8 +41,19 @@ def last_line(result: subprocess.CompletedProcess) -> str:
         ("experiments.capacity", ["mode=bogus"], "mode: unknown value 'bogus'"),
         ("experiments.ceilings", ["device=bogus"], "device: unknown value 'bogus'"),
     ],
-    ids=["decode", "decode-multirun", "serve", "serve-multirun", "serve-mla", "serve-sharegpt-dummy", "decode-gguf-missing",
-         "pd", "tiers", "capacity", "ceilings"],  # fmt: skip
+    ids=[
+        "decode",
+        "decode-multirun",
+        "serve",
+        "serve-multirun",
+        "serve-mla",
+        "serve-sharegpt-dummy",
+        "decode-gguf-missing",
+        "pd",
+        "tiers",
+        "capacity",
+        "ceilings",
+    ],  # fmt: skip
 )
 def test_a_rejected_config_is_one_line_and_leaves_no_folder(tmp_path, module, overrides, message):
     result = run(module, tmp_path, *overrides)
