@@ -82,7 +82,7 @@ def buffer_bytes_for(device: torch.device, plan: Plan) -> int:
         free_bytes, _ = torch.cuda.mem_get_info(device)
     else:
         free_bytes = psutil.virtual_memory().available
-    return min(plan.copy_cache_multiple * last_level_cache_bytes(device), free_bytes // 4) // 4 * 4
+    return min(int(plan.copy_cache_multiple * last_level_cache_bytes(device)), free_bytes // 4) // 4 * 4
 
 
 def copy_once(device: torch.device, plan: Plan) -> Bandwidth:
