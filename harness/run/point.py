@@ -26,6 +26,7 @@ from harness.measure.probes import MemoryProbe
 from harness.measure.timing import Measurement, RepeatPolicy, Sample, StepTimer, convergence_columns, measure, summarize
 from harness.modeling.decode import check_compilable, compile_decode_step, cudagraph_skips, generate
 from harness.modeling.model import build_model, weights_bytes
+from harness.run import prompts as prompt_sources
 from harness.run.point_result import PointResult
 from harness.store.schema import OPTION_COLUMNS
 
@@ -65,7 +66,9 @@ def run_point(cfg: RunConfig) -> PointResult:
             n_positions=cfg.prompt_len + cfg.gen_len,
             mla_path=cfg.mla_path,
         )
-        prompt = make_prompts(cfg, vocab_size=args.vocab_size)
+        prompts = make_prompts(cfg, vocab_size=args.vocab_size)
+        row["prompt_sha256"] = prompts.sha256
+        prompt = prompts.ids
         prompt_ids = prompt.tolist()  # the ids on the host, where a prefix cache looks them up (as a server's are)
         prompt = prompt.to(device)
         step = compile_decode_step(model, cache, mode=cfg.compile) if cfg.compile != "none" else None
@@ -129,7 +132,7 @@ def run_point(cfg: RunConfig) -> PointResult:
         )
         row |= prof_columns
     if (cfg.accuracy and is_lossy(cfg)) or cfg.eval_text:
-        row |= accuracy_columns(cfg, model=model, cache=cache, spec=spec, prompt=prompt)
+        row |= accuracy_columns(cfg, model=model, cache=cache, spec=spec, prompts=prompts)
     row["weights_bytes"] = weights_bytes(model)
     # The seed notes' formula, for the full length this point reserves: 2 x layers x tokens x kv_heads x head_dim
     # x bytes x batch. Contiguous storage must equal it exactly; the test suite holds it to that.
@@ -242,12 +245,26 @@ def prefix_prediction_columns(cfg: RunConfig, *, args, prefix_bytes: int) -> dic
     )
 
 
-def make_prompts(cfg: RunConfig, *, vocab_size: int) -> torch.Tensor:
-    """[B, prompt_len] seeded random ids; the first prefix_len of them shared by every sequence (a system prompt)."""
-    generator = torch.Generator().manual_seed(cfg.seed)
-    prompts = torch.randint(vocab_size, (cfg.batch_size, cfg.prompt_len), generator=generator)
-    prompts[:, : cfg.prefix_len] = prompts[0, : cfg.prefix_len].clone()
-    return prompts
+def make_prompts(cfg: RunConfig, *, vocab_size: int) -> prompt_sources.Prompts:
+    """The point's [B, prompt_len] prompts on the host, from its prompt_source (harness.run.prompts); the first
+    prefix_len tokens shared by every sequence (a system prompt)."""
+    if cfg.prompt_source_name == "random" and cfg.weights != "dummy":
+        log.warning(
+            "prompt_source=random on the checkpoint %s: its accuracy columns are taught on random ids, not on text",
+            cfg.weights,
+        )
+    return prompt_sources.make_prompts(
+        cfg.prompt_source,
+        weights=cfg.weights,
+        vocab_size=vocab_size,
+        batch_size=cfg.batch_size,
+        prompt_len=cfg.prompt_len,
+        gen_len=cfg.gen_len,
+        prefix_len=cfg.prefix_len,
+        seed=cfg.seed,
+        prompt_text=cfg.prompt_text,
+        dataset_path=cfg.dataset_path,
+    )
 
 
 def is_lossy(cfg: RunConfig) -> bool:
@@ -255,28 +272,43 @@ def is_lossy(cfg: RunConfig) -> bool:
     return cfg.kv_dtype_name != cfg.dtype or cfg.layout().lossy
 
 
-def accuracy_columns(cfg: RunConfig, *, model, cache, spec: CacheSpec, prompt) -> dict:
-    """Teacher-forced logits through this point's cache against the exact cache (contiguous at the compute dtype)."""
+def accuracy_columns(cfg: RunConfig, *, model, cache, spec: CacheSpec, prompts: prompt_sources.Prompts) -> dict:
+    """Teacher-forced logits through this point's cache against the exact cache (contiguous at the compute dtype).
+
+    The forced history is the prompts' own text where they have one (a real continuation: ShareGPT's reply, the
+    text file's next tokens), else the exact cache's greedy continuation. With a real continuation the perplexity of
+    that text is measured from the same logits (ppl_source names the prompt source); eval_text, when given, is the
+    perplexity's text instead."""
     exact_spec = dataclasses.replace(spec, kv_dtype=cfg.dtype)
     exact = kv.build(EXACT_REFERENCE, exact_spec, {})
+    prompt = prompts.ids.to(spec.device)
     columns = {}
     if cfg.accuracy and is_lossy(cfg):
-        # The exact cache's own greedy continuation is the forced history for both caches.
-        forced, _ = generate(model, exact, prompt, cfg.gen_len, StepTimer(spec.device, n_marks=cfg.gen_len))
-        exact.release()
-        columns |= accuracy.compare(
-            accuracy.teacher_forced_logits(model, exact, prompt, forced),
-            accuracy.teacher_forced_logits(model, cache, prompt, forced),
-        )
+        if prompts.continuation is not None:
+            forced = prompts.continuation.to(spec.device)
+        else:  # random ids have no text after them: the exact cache's own greedy continuation
+            forced, _ = generate(model, exact, prompt, cfg.gen_len, StepTimer(spec.device, n_marks=cfg.gen_len))
+            exact.release()
+        exact_logits = accuracy.teacher_forced_logits(model, exact, prompt, forced)
+        lossy_logits = accuracy.teacher_forced_logits(model, cache, prompt, forced)
+        columns |= accuracy.compare(exact_logits, lossy_logits)
+        if prompts.continuation is not None and not cfg.eval_text:
+            columns |= ppl_columns(lossy_logits, exact_logits, forced, source=prompts.source)
     if cfg.eval_text:
         windows = accuracy.text_windows(
             cfg.eval_text, cfg.weights, batch_size=cfg.batch_size, length=cfg.prompt_len + cfg.gen_len
         ).to(spec.device)
         text_prompt, targets = windows[:, : cfg.prompt_len], windows[:, cfg.prompt_len :]
-        ppl = accuracy.perplexity(accuracy.teacher_forced_logits(model, cache, text_prompt, targets), targets)
-        ppl_exact = accuracy.perplexity(accuracy.teacher_forced_logits(model, exact, text_prompt, targets), targets)
-        columns |= {"ppl": ppl, "ppl_delta": ppl - ppl_exact}
+        lossy_logits = accuracy.teacher_forced_logits(model, cache, text_prompt, targets)
+        exact_logits = accuracy.teacher_forced_logits(model, exact, text_prompt, targets)
+        columns |= ppl_columns(lossy_logits, exact_logits, targets, source="eval_text")
     return columns
+
+
+def ppl_columns(lossy_logits, exact_logits, targets, *, source: str) -> dict:
+    """The perplexity of `targets` through the point's cache, its delta to the exact cache's, and the text's source."""
+    ppl = accuracy.perplexity(lossy_logits, targets)
+    return {"ppl": ppl, "ppl_delta": ppl - accuracy.perplexity(exact_logits, targets), "ppl_source": source}
 
 
 def digest(token_ids: torch.Tensor) -> str:
@@ -307,6 +339,8 @@ def config_columns(cfg: RunConfig) -> dict:
         "lengths": cfg.lengths,
         "min_len_frac": cfg.min_len_frac if cfg.lengths == "mixed" else None,
         "eval_text": cfg.eval_text,
+        "prompt_source": cfg.prompt_source_name,
+        "prompt_text": cfg.prompt_text,
         "batch_size": cfg.batch_size,
         "prompt_len": cfg.prompt_len,
         "gen_len": cfg.gen_len,

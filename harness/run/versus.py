@@ -275,7 +275,7 @@ def measure_case(cfg: RunConfig, *, our_model: Transformer, hf_model: Any, round
     """One case (preset, dtype, batch, lengths): every loop interleaved; a row per loop, in LOOPS order."""
     device = cfg.torch_device()
     args = cfg.model_args()
-    prompt = make_prompts(cfg, vocab_size=args.vocab_size).to(device)
+    prompt = make_prompts(cfg, vocab_size=args.vocab_size).ids.to(device)
     cache = kv.build(STRATEGY, cache_spec(cfg), {})
     loops = {
         OURS: our_loop(our_model, cache, prompt, gen_len=cfg.gen_len, probed=True),

@@ -34,6 +34,7 @@ WORKLOAD_COLUMNS = (
     "prompt_len",
     "gen_len",
     "prefix_len",
+    "prompt_source",
     "lengths",
     "compile",
     "attn_impl",
@@ -139,6 +140,16 @@ COLUMNS: tuple[Column, ...] = (
     Column("prompt_len", "int64", "tokens", "Prompt tokens per sequence"),
     Column("gen_len", "int64", "tokens", "Tokens generated per sequence, the first one included"),
     Column("prefix_len", "int64", "tokens", "Leading prompt tokens shared by every sequence of the batch (0: none)"),
+    Column(
+        "prompt_source",
+        "string",
+        "",
+        "Where the prompt ids came from: random (seeded ids), sharegpt (ShareGPT conversations through the model's "
+        "tokenizer and chat template) or text (windows of prompt_text)",
+        absent="random",
+    ),
+    Column("prompt_text", "string", "", "prompt_source=text: the local text file; null otherwise"),
+    Column("prompt_sha256", "string", "", "sha256 hex of the file the prompts came from; null for random ids"),
     Column("lengths", "string", "", "fixed (every sequence prompt_len + gen_len) or mixed (allocation-waste points)"),
     Column(
         "min_len_frac", "float64", "", "mixed: request lengths drawn uniformly from [min_len_frac, 1] of the maximum"
@@ -513,13 +524,25 @@ COLUMNS: tuple[Column, ...] = (
         "",
         "First NVML error of the point (query: error), or why NVML could not start; null when none (and on CPU)",
     ),
-    # Accuracy: lossy points against the exact cache (contiguous, kv_dtype = dtype), teacher-forced on its tokens
+    # Accuracy: lossy points against the exact cache (contiguous, kv_dtype = dtype), teacher-forced on the same
+    # tokens: the prompts' own text where they have one (prompt_source sharegpt, text), else the exact cache's greedy
     Column("logit_max_abs_err", "float64", "", "Largest |logit - exact logit| over every step, sequence and token"),
     Column("kl_mean", "float64", "nats", "Mean KL(exact || lossy) of the next-token distributions over all steps"),
     Column("top1_agreement", "float64", "", "Fraction of steps whose argmax equals the exact cache's"),
     Column("eval_text", "string", "", "Local text file whose perplexity was measured; null when none"),
-    Column("ppl", "float64", "", "Perplexity of eval_text through this point's cache (real checkpoints only)"),
+    Column(
+        "ppl",
+        "float64",
+        "",
+        "Perplexity through this point's cache of eval_text, or of the prompts' own continuation (real checkpoints)",
+    ),
     Column("ppl_delta", "float64", "", "ppl minus the exact cache's perplexity on the same text"),
+    Column(
+        "ppl_source",
+        "string",
+        "",
+        "The text ppl was measured on: eval_text, or the prompts' continuation (sharegpt: ShareGPT replies; text)",
+    ),
     # Output
     Column("output_digest", "string", "", "sha256 hex of the generated token ids: equal digests, equal outputs"),
     # Environment

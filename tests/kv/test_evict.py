@@ -299,6 +299,8 @@ def test_with_real_weights_a_budget_under_the_length_fills_the_perplexity_delta_
     row = run_point(
         RunConfig(
             weights=str(llama_checkpoint),
+            prompt_source="text",  # the text it was trained on
+            prompt_text=str(llama_checkpoint / "eval.txt"),
             dtype="fp32",
             cache={"name": "evict", "policy": policy, "budget": 24, "window": 4},
             batch_size=2,

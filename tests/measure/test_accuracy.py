@@ -62,6 +62,8 @@ def test_perplexity_of_a_text_through_a_real_checkpoint(llama_checkpoint):
     row = run_point(
         RunConfig(
             weights=str(llama_checkpoint),
+            prompt_source="text",  # the text it was trained on
+            prompt_text=str(llama_checkpoint / "eval.txt"),
             dtype="fp32",
             kv_dtype="bf16",
             batch_size=2,
@@ -82,6 +84,8 @@ def test_8bit_kv_agrees_on_top1_for_the_large_majority_of_steps_with_real_weight
     row = run_point(
         RunConfig(
             weights=str(llama_checkpoint),
+            prompt_source="text",  # the text it was trained on
+            prompt_text=str(llama_checkpoint / "eval.txt"),
             dtype="fp32",
             kv_dtype=kv_dtype,
             batch_size=4,
@@ -100,6 +104,8 @@ def test_int4_costs_more_accuracy_than_int8(llama_checkpoint):
         kv_dtype: run_point(
             RunConfig(
                 weights=str(llama_checkpoint),
+                prompt_source="text",  # the text it was trained on
+                prompt_text=str(llama_checkpoint / "eval.txt"),
                 dtype="fp32",
                 kv_dtype=kv_dtype,
                 batch_size=4,
