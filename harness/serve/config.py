@@ -149,7 +149,7 @@ class ServeConfig(Workload):
         value = self.sharegpt_output_len
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ConfigError(f"sharegpt_output_len: must be an integer >= 1, or null (the reply's), got {value!r}")
-        check_tokenizer_dir(self.weights)
+        check_tokenizer_dir(self.weights, self.dataset)
 
     def config_dict(self) -> dict[str, Any]:
         """The config a run records (its manifest and config_json): the fields a user sets. Those derived or not

@@ -159,11 +159,11 @@ def drop_reason(prompt_len: int, output_len: int, *, fixed_output: bool, max_mod
     return None
 
 
-def check_tokenizer_dir(weights: str) -> Path:
+def check_tokenizer_dir(weights: str, dataset: str = "sharegpt") -> Path:
     """The checkpoint folder a dataset's text is tokenized with: `weights`, when it holds a tokenizer."""
     folder = Path(weights)
     if weights == "dummy" or not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise ConfigError("dataset: sharegpt needs a tokenizer; allowed: weights=<checkpoint dir with a tokenizer>")
+        raise ConfigError(f"dataset: {dataset} needs a tokenizer; allowed: weights=<checkpoint dir with a tokenizer>")
     return folder
 
 

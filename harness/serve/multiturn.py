@@ -33,6 +33,8 @@ apply_chat_template and encode; load_tokenizer gives a checkpoint's own).
 
 from __future__ import annotations
 
+import bisect
+import functools
 import json
 import logging
 import math
@@ -110,12 +112,17 @@ class Sessions:
         """The requests the run starts with: each session's first turn, at the session's start."""
         return [self._request(s, 0, s.start_s) for s in self.sessions], [list(s.prompt_ids[0]) for s in self.sessions]
 
+    @functools.cached_property
+    def _first_ids(self) -> list[int]:
+        return [session.first_request_id for session in self.sessions]  # ascending, as the sessions
+
     def locate(self, request_id: int) -> tuple[Session, int]:
         """(its session, its turn from 0)."""
-        for session in self.sessions:  # sessions are few; ids ascend with them
-            if session.first_request_id <= request_id < session.first_request_id + len(session.output_lens):
-                return session, request_id - session.first_request_id
-        raise KeyError(request_id)
+        session = self.sessions[bisect.bisect_right(self._first_ids, request_id) - 1]
+        turn = request_id - session.first_request_id
+        if request_id < 0 or turn >= len(session.output_lens):
+            raise KeyError(request_id)
+        return session, turn
 
     def next_turn(self, record: RequestRecord) -> tuple[Request, list[int]] | None:
         """The turn after a finished one, arriving its think time after record.finished_s; None after the last."""

@@ -20,11 +20,12 @@ from harness.config import DTYPES
 from harness.errors import ConfigError
 from harness.modeling.model import build_model
 from harness.serve import run as app
+from harness.serve.block_pool import hash_blocks
 from harness.serve.config import ServeConfig
 from harness.serve.engine import Engine, build_cache, serve
 from harness.serve.kv_manager import make_kv_manager
 from harness.serve.multiturn import THINK_STREAM, sample_sessions
-from harness.serve.requests import RequestSpec, arrival_times_s
+from harness.serve.requests import Request, RequestSpec, arrival_times_s
 from harness.serve.rows import load_run, serve_run_dir
 from harness.serve.scheduler import Scheduler, SchedulerConfig
 from harness.serve.sharegpt import Conversation
@@ -129,6 +130,23 @@ def test_think_times_are_exponential_with_the_mean_from_their_own_seeded_stream(
     assert np.mean(gaps > 2.0) == pytest.approx(np.exp(-1), abs=0.05)  # an exponential's tail past its mean
     assert gaps.tolist() == pytest.approx(np.random.default_rng((5, THINK_STREAM)).exponential(2.0, 750).tolist())
     assert {g for s in sessions_of([chat(0, *[5] * 6)]).sessions for g in s.think_times_s} == {0.0}
+
+
+def test_a_known_prompts_blocks_are_shared_by_content_and_only_after_an_equal_start():
+    manager = make_kv_manager("prefix", num_blocks=32, block_size=4, max_model_len=64)
+    first = Request(request_id=0, arrival_s=0.0, prompt_len=12, output_len=2,
+                    block_hashes=hash_blocks(list(range(12)), 4))  # fmt: skip
+    manager.allocate(first, 13)  # its prompt and one output: all three prompt blocks cached
+    manager.free(0)  # finished: its blocks stay cached while the pool does not need them
+
+    def hit_tokens(ids):
+        request = Request(request_id=1, arrival_s=0.0, prompt_len=len(ids), output_len=2,
+                          block_hashes=hash_blocks(ids, 4))  # fmt: skip
+        return manager.cached_prefix_tokens(request, len(ids))
+
+    assert hit_tokens([*range(12), 40, 41]) == 12  # a later turn: the history, then more
+    assert hit_tokens([*range(6), 40, 41, 42, 43, 10, 11, 50]) == 4  # up to the first block that differs
+    assert hit_tokens([40, *range(1, 12), 41]) == 0  # equal blocks after an unequal first one are not shared
 
 
 class TokenlessEngine:
