@@ -83,8 +83,9 @@ class ServeConfig(Workload):
     # sharegpt-multiturn: each conversation a chat session (harness.serve.multiturn), num_prompts of them starting
     # at the arrivals above, each turn's prompt its whole history through the tokenizer's chat template
     max_turns: int | None = None  # turns per session at most; null: every turn of the conversation
-    # Mean seconds between a turn's reply and the next turn (exponential, seeded). 0, the default: the next turn at
-    # once, as SGLang's multi-turn benchmark sends it, the tightest closed loop; a person's pause costs wall time.
+    # Mean seconds between a turn's reply and the next turn (exponential, seeded). 0, the default: the next turn as
+    # soon as the reply is in, the tightest closed loop, so a run's wall time is its compute; a person's pause costs
+    # wall time (the engine sleeps through it when idle) and gives other sessions' blocks time to evict the history.
     think_time_s: float = 0.0
     text_ids: str | None = None  # a tokenized local text (a JSON list or .npy of ids) the prompts are cut from
     # SLOs with a unit ("500ms", "2s"): goodput counts the requests meeting all of them
