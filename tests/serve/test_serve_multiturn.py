@@ -29,6 +29,7 @@ from harness.serve.requests import Request, RequestSpec, arrival_times_s
 from harness.serve.rows import load_run, serve_run_dir
 from harness.serve.scheduler import Scheduler, SchedulerConfig
 from harness.serve.sharegpt import Conversation
+from harness.serve.summary import summary_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 USER, ASSISTANT, END = 1, 2, 3  # the fake template's role and end-of-message ids
@@ -259,6 +260,9 @@ def test_a_multiturn_run_records_sessions_turns_prefix_hits_and_ttft_by_turn(tmp
     assert list(by_turn) == ["1", "2", "3"] and all(figures["count"] == 3 for figures in by_turn.values())
     assert stored["dataset"] == "sharegpt-multiturn" and stored["dataset_cut_turns_too_long"] == 0
     assert json.loads(stored["config_json"])["max_turns"] is None
+    assert any(
+        line.strip().startswith("by turn      TTFT p50/p99 per turn number 1: ") for line in summary_lines(row, Path())
+    )
 
 
 @pytest.mark.parametrize(
