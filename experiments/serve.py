@@ -5,6 +5,7 @@
     python -m experiments.serve -m experiment=serve-qps          # qps x strategy: the saturation sweep and its knee
     python -m experiments.serve trace=my_trace.jsonl               # arrival_s, prompt_len, output_len per line
     python -m experiments.serve dataset=sharegpt weights=CKPT_DIR   # ShareGPT V3 prompts, the checkpoint's tokenizer
+    python -m experiments.serve model=smollm2-135m dataset=sharegpt-multiturn strategy=prefix kv_memory_gb=0.2  # chats
 
 This file is the Hydra app: the schema registered, the run named, the summary printed. The config is
 harness.serve.config.ServeConfig, and the run is harness.serve.run's plan() and run(). Everything is checked before

@@ -6,8 +6,20 @@ harness.serve.kv_manager, which keeps the block tables over it.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from harness.errors import KVPoolExhausted
+
+
+def hash_blocks(token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
+    """One hash per whole block of token_ids, each over its parent's hash and its own ids (vLLM v1's chained
+    hash_block_tokens): equal hashes mean equal tokens from the sequence's start, so a block is shared only where
+    the whole prefix before it matches. Python's hash of a tuple of ints is the same in every process."""
+    hashes, parent = [], 0  # not None: its hash is its address before Python 3.12
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, *token_ids[start : start + block_size]))
+        hashes.append(parent)
+    return tuple(hashes)
 
 
 class BlockPool:

@@ -40,6 +40,9 @@ REQUEST_COLUMNS: tuple[Column, ...] = (
     _required("output_len", "int64", "tokens", "Tokens generated for the request"),
     _required("prefix_hit_tokens", "int64", "tokens", "Prompt tokens whose KV came from the prefix cache"),
     _required("preemptions", "int64", "", "Times the request was preempted (its KV freed, recomputed later)"),
+    # A chat session's (dataset=sharegpt-multiturn). The host and disk tiers will add the tokens they served.
+    Column("session_id", "int64", "", "The chat session the request is a turn of; null: not a session's"),
+    Column("turn", "int64", "", "Its turn in the session, from 1; null: not a session's"),
 )
 
 _POOL_COUNTS = (  # the scheduler's output after this iteration's allocation
@@ -135,13 +138,29 @@ RUN_COLUMNS: tuple[Column, ...] = (
         "dataset",
         "string",
         "",
-        "Where the requests came from: random (the synthetic stream), trace, or sharegpt; null: a row written before "
+        "Where the requests came from: random (the synthetic stream), trace, sharegpt or sharegpt-multiturn; null: a row written before "
         "it was recorded (random)",
     ),
     Column("dataset_sha256", "string", "", "sha256 of the dataset file read (sharegpt); null: random or trace"),
     *(
         Column(f"dataset_dropped_{reason}", "int64", "", f"Conversations dropped: {meaning}; null: random or trace")
         for reason, meaning in DROPPED_MEANINGS.items()
+    ),
+    *(
+        Column(
+            f"dataset_cut_turns_{reason}",
+            "int64",
+            "",
+            f"Turns cut off kept sessions at a turn with {meaning}, and the turns after it; null: not sessions",
+        )
+        for reason, meaning in DROPPED_MEANINGS.items()
+        if reason != "no_reply"
+    ),  # fmt: skip
+    Column(
+        "ttft_ms_by_turn",
+        "string",
+        "ms",
+        'Sessions: TTFT by turn as JSON, {"<turn from 1>": {"count", "p50", "p99"}}; null: not sessions',
     ),
 )
 

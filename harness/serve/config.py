@@ -18,12 +18,14 @@ from harness.serve.dataset import DATASETS, check_tokenizer_dir
 from harness.serve.engine import SERVE_KV_DTYPES
 from harness.serve.kv_manager import check_window, serving
 from harness.serve.metrics import parse_slo_ms
+from harness.serve.multiturn import check_session_knobs
 from harness.serve.scheduler import SchedulerConfig
 
 # Workload fields a serving run does not take: the stream sets the batch, the engine runs SDPA on a float or
 # per-token-scaled pool (no int4 groups, no MLA). Each must stay at its default, so that none is silently ignored.
 NOT_SERVED = ("batch_size", "kv_group_size", "kv_residual", "attn_impl", "mla_path")
 DATASET_FIELDS = ("dataset", "dataset_path", "sharegpt_output_len")  # dataset=sharegpt's (check_dataset)
+SESSION_FIELDS = ("max_turns", "think_time_s")  # dataset=sharegpt-multiturn's alone
 DERIVED = {"cache": "strategy and block_size", "gen_len": "output_len"}  # set from these at construction
 
 
@@ -78,6 +80,13 @@ class ServeConfig(Workload):
     dataset: str = "random"
     dataset_path: str | None = None  # sharegpt: a local ShareGPT-format JSON instead of the packaged file
     sharegpt_output_len: int | None = None  # sharegpt: every request's output tokens; null: its reply's (vLLM's)
+    # sharegpt-multiturn: each conversation a chat session (harness.serve.multiturn), num_prompts of them starting
+    # at the arrivals above, each turn's prompt its whole history through the tokenizer's chat template
+    max_turns: int | None = None  # turns per session at most; null: every turn of the conversation
+    # Mean seconds between a turn's reply and the next turn (exponential, seeded). 0, the default: the next turn as
+    # soon as the reply is in, the tightest closed loop, so a run's wall time is its compute; a person's pause costs
+    # wall time (the engine sleeps through it when idle) and gives other sessions' blocks time to evict the history.
+    think_time_s: float = 0.0
     text_ids: str | None = None  # a tokenized local text (a JSON list or .npy of ids) the prompts are cut from
     # SLOs with a unit ("500ms", "2s"): goodput counts the requests meeting all of them
     ttft_slo_ms: str | None = None
@@ -119,10 +128,18 @@ class ServeConfig(Workload):
         """dataset and what goes with it: a dataset's prompts come whole from its text, so the knobs that make or
         replace prompts are refused beside it, and its text needs the checkpoint's tokenizer."""
         check_choice("dataset", self.dataset, DATASETS)
+        check_session_knobs(max_turns=self.max_turns, think_time_s=self.think_time_s)
+        if self.dataset != "sharegpt-multiturn":
+            for name, allowed in (("max_turns", None), ("think_time_s", 0.0)):
+                if getattr(self, name) != allowed:
+                    raise ConfigError(f"{name}: only dataset=sharegpt-multiturn takes it; allowed: "
+                                      f"{'null' if allowed is None else 0} with dataset={self.dataset}")  # fmt: skip
         if self.dataset == "random":
             for name in ("dataset_path", "sharegpt_output_len"):
                 if getattr(self, name) is not None:
-                    raise ConfigError(f"{name}: only dataset=sharegpt takes it; allowed: null with dataset=random")
+                    raise ConfigError(
+                        f"{name}: only dataset=sharegpt or sharegpt-multiturn takes it; allowed: null with dataset=random"
+                    )
             return
         for name, allowed in (("trace", None), ("text_ids", None), ("prefix_len", 0)):
             if getattr(self, name) != allowed:
@@ -133,7 +150,7 @@ class ServeConfig(Workload):
         value = self.sharegpt_output_len
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ConfigError(f"sharegpt_output_len: must be an integer >= 1, or null (the reply's), got {value!r}")
-        check_tokenizer_dir(self.weights)
+        check_tokenizer_dir(self.weights, self.dataset)
 
     def config_dict(self) -> dict[str, Any]:
         """The config a run records (its manifest and config_json): the fields a user sets. Those derived or not
@@ -143,6 +160,9 @@ class ServeConfig(Workload):
         out = {name: value for name, value in asdict(self).items() if name not in (*DERIVED, *NOT_SERVED)}
         if self.dataset == "random":
             for name in DATASET_FIELDS:
+                del out[name]
+        if self.dataset != "sharegpt-multiturn":  # so a sharegpt run's keys stay those recorded before sessions
+            for name in SESSION_FIELDS:
                 del out[name]
         out["model"] = asdict(self.model) if not isinstance(self.model, dict) else self.model
         return out

@@ -33,7 +33,7 @@ from harness.errors import ConfigError
 from harness.serve.requests import Request, RequestSpec, arrival_times_s
 from harness.serve.sharegpt import Conversation
 
-DATASETS = ("random", "sharegpt")
+DATASETS = ("random", "sharegpt", "sharegpt-multiturn")  # the last: harness.serve.multiturn
 MIN_LEN = 4  # tokens: vLLM's is_valid_sequence min_len, for the prompt and the reply
 HUMAN_ROLES = ("human", "user")  # ShareGPT's "from" of a person's turn; the rest ("gpt", "system", ...) are not
 # Why a conversation gave no request, in the order they are tested; each dropped one counts under its first reason.
@@ -57,11 +57,25 @@ class Sample:
     dropped: dict[str, int] = field(default_factory=dict)
 
 
-def dataset_columns(dataset: str, *, sha256: str | None = None, dropped: dict[str, int] | None = None) -> dict:
+def dataset_columns(
+    dataset: str,
+    *,
+    sha256: str | None = None,
+    dropped: dict[str, int] | None = None,
+    cut_turns: dict[str, int] | None = None,
+    ttft_ms_by_turn: str | None = None,
+) -> dict:
     """The run row's dataset columns (harness.serve.columns): where the requests came from, the file's digest and
-    the drops by reason; null digest and drops for a stream not sampled from a file (random, trace)."""
+    the drops by reason; null digest and drops for a stream not sampled from a file (random, trace). Sessions
+    (sharegpt-multiturn) add the turns cut by reason and the TTFT by turn, null for every other stream."""
     counts = dict.fromkeys(DROP_REASONS) if dropped is None else {reason: dropped[reason] for reason in DROP_REASONS}
-    return {"dataset": dataset, "dataset_sha256": sha256} | {f"dataset_dropped_{r}": n for r, n in counts.items()}
+    cut = dict.fromkeys(DROP_REASONS) if cut_turns is None else {reason: cut_turns[reason] for reason in DROP_REASONS}
+    return (
+        {"dataset": dataset, "dataset_sha256": sha256}
+        | {f"dataset_dropped_{r}": n for r, n in counts.items()}
+        | {f"dataset_cut_turns_{r}": n for r, n in cut.items() if r != "no_reply"}
+        | {"ttft_ms_by_turn": ttft_ms_by_turn}
+    )
 
 
 def prompt_and_reply(conversation: Conversation) -> tuple[str, str] | None:
@@ -109,7 +123,7 @@ def sample_sharegpt(
             continue
         prompt_ids = list(tokenizer.encode(pair[0]))
         wanted = len(tokenizer.encode(pair[1])) if output_len is None else output_len
-        reason = _drop_reason(len(prompt_ids), wanted, fixed_output=output_len is not None, max_model_len=max_model_len)
+        reason = drop_reason(len(prompt_ids), wanted, fixed_output=output_len is not None, max_model_len=max_model_len)
         if reason is not None:
             dropped[reason] += 1
             continue
@@ -134,7 +148,7 @@ def sample_sharegpt(
     return Sample(requests=requests, prompt_ids=[ids for ids, _ in kept], dropped=dropped)
 
 
-def _drop_reason(prompt_len: int, output_len: int, *, fixed_output: bool, max_model_len: int) -> str | None:
+def drop_reason(prompt_len: int, output_len: int, *, fixed_output: bool, max_model_len: int) -> str | None:
     """vLLM's is_valid_sequence, with max_model_len for its length limits; None when the pair is kept."""
     if prompt_len < MIN_LEN:
         return "prompt_too_short"
@@ -145,11 +159,11 @@ def _drop_reason(prompt_len: int, output_len: int, *, fixed_output: bool, max_mo
     return None
 
 
-def check_tokenizer_dir(weights: str) -> Path:
+def check_tokenizer_dir(weights: str, dataset: str = "sharegpt") -> Path:
     """The checkpoint folder a dataset's text is tokenized with: `weights`, when it holds a tokenizer."""
     folder = Path(weights)
     if weights == "dummy" or not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise ConfigError("dataset: sharegpt needs a tokenizer; allowed: weights=<checkpoint dir with a tokenizer>")
+        raise ConfigError(f"dataset: {dataset} needs a tokenizer; allowed: weights=<checkpoint dir with a tokenizer>")
     return folder
 
 

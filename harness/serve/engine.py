@@ -21,6 +21,7 @@ until the next arrival, and every iteration's host times are taken apart: `sched
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -190,12 +191,16 @@ def serve(
     engine: Engine,
     on_iteration: Callable[[int, SchedulerOutput, float, float], None] | None = None,
     on_finish: Callable[[RequestRecord], None] | None = None,
+    next_turn: Callable[[RequestRecord], tuple[Request, Sequence[int]] | None] | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> ServeResult:
     """Serve `requests` (prompt_ids[i] for requests[i]) on the wall clock until every one has finished.
 
     on_iteration(index, output, step_s, scheduler_s) after each iteration, on_finish(record) as each request ends:
     a run's rows are written as it goes (harness.serve.rows.ServeRunWriter), so a run killed midway keeps them.
+    next_turn(record), the closed loop of chat sessions (harness.serve.multiturn.Sessions.next_turn): the request
+    that follows a finished one, with its prompt ids and an arrival_s no earlier than record.finished_s, or None;
+    it joins the pending arrivals in order. Without it the stream is the open loop given up front.
     """
     by_id = {request.request_id: ids for request, ids in zip(requests, prompt_ids, strict=True)}
     pending = deque(sorted(requests, key=lambda request: request.arrival_s))
@@ -227,6 +232,11 @@ def serve(
             records.append(record)
             if on_finish is not None:
                 on_finish(record)
+            if next_turn is not None and (follow := next_turn(record)) is not None:
+                request, ids = follow
+                assert request.arrival_s >= record.finished_s, "a turn cannot arrive before the one it follows ends"
+                by_id[request.request_id] = ids
+                bisect.insort(pending, request, key=lambda pending_request: pending_request.arrival_s)
         if on_iteration is not None:
             on_iteration(index, output, t2 - t1, (t1 - t0) + (t3 - t2))
         index += 1

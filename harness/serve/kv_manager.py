@@ -131,7 +131,9 @@ class PagedKVManager:
 
     prefix: a request's first floor(prefix_len / block_size) blocks are its shared prefix. Every request's prefix
     tokens are the same system prompt (requests.py builds them so), so a block is keyed by its position in the
-    prefix alone: vLLM's chained block hash reduces to ("prefix", index) here. A block is cached as soon as an
+    prefix alone: vLLM's chained block hash reduces to ("prefix", index) here. A request whose prompt is known
+    (block_hashes: a chat session's turn, harness.serve.multiturn) keys its whole prompt blocks by vLLM's chained
+    hash instead, so a later turn finds the blocks of the history it repeats. A block is cached as soon as an
     iteration schedules its tokens (vLLM's cache_blocks in allocate_slots): the engine must write a block's K/V
     before a later request in the same iteration reads it, as one forward does layer by layer.
 
@@ -165,13 +167,19 @@ class PagedKVManager:
         last one of a full hit, so that the forward yields logits)."""
         if not self.prefix_caching:
             return 0
+        if request.block_hashes:  # a known prompt (a chat session's turn): any whole block of it, by content
+            return min(len(request.block_hashes), (num_tokens - 1) // self.block_size)
         return min(request.prefix_len, num_tokens - 1) // self.block_size
+
+    @staticmethod
+    def _block_key(request: Request, index: int) -> object:
+        return request.block_hashes[index] if request.block_hashes else ("prefix", index)
 
     def _cached_hits(self, request: Request, num_tokens: int) -> list[int]:
         """The cached blocks of the request's prefix, from its start up to the first miss."""
         hits = []
         for index in range(self._prefix_blocks(request, num_tokens)):
-            block = self.pool.cached.get(("prefix", index))
+            block = self.pool.cached.get(self._block_key(request, index))
             if block is None:
                 break
             hits.append(block)
@@ -232,7 +240,7 @@ class PagedKVManager:
         table += taken
         self.num_tokens[rid] = max(num_tokens, self.num_tokens[rid])
         for index in range(self._prefix_blocks(request, num_tokens)):  # scheduled prefix blocks become hits
-            self.pool.cache_block(table[index], ("prefix", index))
+            self.pool.cache_block(table[index], self._block_key(request, index))
         return KVCacheBlocks(tuple(table), num_new=len(taken))
 
     def free(self, request_id: int) -> None:

@@ -128,8 +128,9 @@ class RequestRecord:
         return np.diff(self.token_times_s).tolist()
 
 
-def request_row(record: RequestRecord) -> dict:
-    """The request's row of the per-request table (issue #16 item 5), in milliseconds."""
+def request_row(record: RequestRecord, *, session_id: int | None = None, turn: int | None = None) -> dict:
+    """The request's row of the per-request table (issue #16 item 5), in milliseconds; session_id and turn (from
+    1) for a chat session's turn (harness.serve.multiturn), null otherwise."""
     tpot_s = record.tpot_s
     return {
         "request_id": record.request_id,
@@ -143,6 +144,8 @@ def request_row(record: RequestRecord) -> dict:
         "output_len": record.output_len,
         "prefix_hit_tokens": record.prefix_hit_tokens,
         "preemptions": record.preemptions,
+        "session_id": session_id,
+        "turn": turn,
     }
 
 

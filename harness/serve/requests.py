@@ -40,6 +40,7 @@ class Request:
     prompt_len: int  # tokens, prefix_len of them shared with every request
     output_len: int  # tokens to generate (no EOS stop: the benchmark asks for exactly this many)
     prefix_len: int = 0  # leading prompt tokens shared with every request (a system prompt); 0 when none
+    block_hashes: tuple[int, ...] = ()  # a known prompt's whole blocks (block_pool.hash_blocks); (): by prefix_len
 
 
 @dataclass(frozen=True)

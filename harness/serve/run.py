@@ -21,6 +21,7 @@ from harness.serve.dataset import dataset_columns, load_tokenizer, sample_shareg
 from harness.serve.engine import Engine, build_cache, check_servable, serve
 from harness.serve.kv_manager import make_kv_manager, num_blocks_for, serving
 from harness.serve.metrics import request_row, run_metrics
+from harness.serve.multiturn import Sessions, sample_sessions
 from harness.serve.requests import RequestSpec, describe, generate, prompt_token_ids, read_trace
 from harness.serve.rows import ServeRunWriter, iteration_row
 from harness.serve.scheduler import Scheduler, SchedulerConfig
@@ -46,6 +47,7 @@ class Plan:
     text_ids: list[int] | None = None
     prompt_ids: list[list[int]] | None = None  # a dataset's prompts, tokenized; None: made from the stream at run()
     dataset_columns: dict = dataclasses.field(default_factory=dict)  # the run row's dataset, its digest, its drops
+    sessions: Sessions | None = None  # sharegpt-multiturn's: requests is then every turn, served closed-loop
 
 
 def plan(cfg: ServeConfig) -> Plan:
@@ -54,11 +56,14 @@ def plan(cfg: ServeConfig) -> Plan:
     served = serving(cfg.strategy)
     kv_dtype, device = cfg.kv_dtype_name, device_type(cfg.device)  # "auto" resolved (harness.config, the one place)
     scheduler_config = cfg.scheduler_config()
-    prompt_ids, dataset = None, dataset_columns("trace" if cfg.trace is not None else cfg.dataset)
+    prompt_ids, sessions, dataset = None, None, dataset_columns("trace" if cfg.trace is not None else cfg.dataset)
     if cfg.trace is not None:
         requests = read_trace(cfg.trace, max_model_len=cfg.max_model_len)
     elif cfg.dataset == "sharegpt":
         requests, prompt_ids, dataset = sharegpt_stream(cfg)
+    elif cfg.dataset == "sharegpt-multiturn":
+        sessions, dataset = session_stream(cfg)
+        requests, prompt_ids = sessions.all_turns()  # every turn, for the checks; run() serves them closed-loop
     else:
         spec = RequestSpec(**{name: getattr(cfg, name) for name in RequestSpec.__dataclass_fields__
                               if name not in ("seed", "max_model_len")}, seed=cfg.seed,
@@ -87,7 +92,9 @@ def plan(cfg: ServeConfig) -> Plan:
     for request in requests:
         probe.add_request(request)
     predicted = None
-    if not served.windowed:  # the planner models a window as a ring per request, not as paged blocks
+    # The planner models a window as a ring per request, not as paged blocks, and an open stream, not sessions
+    # whose turns wait on each other.
+    if not served.windowed and sessions is None:
         predicted = predict_concurrency(
             cfg.workload(kv_dtype=kv_dtype), requests, kv_budget_bytes=budget.kv_bytes,
             max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, watermark=cfg.watermark,
@@ -96,7 +103,7 @@ def plan(cfg: ServeConfig) -> Plan:
     if text_ids is not None:  # its length and id range, against this stream and this model, before any work
         prompt_token_ids(requests, vocab_size=paged.model_args().vocab_size, seed=cfg.seed, text_ids=text_ids)
     return Plan(cfg, paged, kv_dtype, device, requests, scheduler_config, budget, num_blocks, predicted, block_bytes,
-                text_ids, prompt_ids, dataset)  # fmt: skip
+                text_ids, prompt_ids, dataset, sessions)  # fmt: skip
 
 
 def sharegpt_stream(cfg: ServeConfig) -> tuple[list, list[list[int]], dict]:
@@ -108,6 +115,19 @@ def sharegpt_stream(cfg: ServeConfig) -> tuple[list, list[list[int]], dict]:
                              qps=cfg.qps, burstiness=cfg.burstiness)  # fmt: skip
     columns = dataset_columns("sharegpt", sha256=file.sha256, dropped=sample.dropped)
     return sample.requests, sample.prompt_ids, columns
+
+
+def session_stream(cfg: ServeConfig) -> tuple[Sessions, dict]:
+    """dataset=sharegpt-multiturn's sessions (the checkpoint's tokenizer and chat template) and the run row's
+    dataset columns: the file's digest, the conversations dropped and the turns cut, by reason."""
+    file = read_sharegpt(cfg.dataset_path)
+    sessions = sample_sessions(file.conversations, tokenizer=load_tokenizer(cfg.weights), num_sessions=cfg.num_prompts,
+                               seed=cfg.seed, max_model_len=cfg.max_model_len, block_size=cfg.block_size,
+                               output_len=cfg.sharegpt_output_len, max_turns=cfg.max_turns,
+                               think_time_s=cfg.think_time_s, qps=cfg.qps, burstiness=cfg.burstiness)  # fmt: skip
+    columns = dataset_columns("sharegpt-multiturn", sha256=file.sha256, dropped=sessions.dropped,
+                              cut_turns=sessions.cut_turns)  # fmt: skip
+    return sessions, columns
 
 
 def check_vocab(prompt_ids: list[list[int]], *, vocab_size: int) -> None:
@@ -185,13 +205,17 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
     flushed = [time.monotonic()]
 
     def on_finish(record):
-        writer.add_request(request_row(record))
+        session = {} if p.sessions is None else p.sessions.request_columns(int(record.request_id))
+        writer.add_request(request_row(record, **session))
         if time.monotonic() - flushed[0] >= FLUSH_EVERY_S:  # a run killed midway keeps what finished
             writer.flush()
             flushed[0] = time.monotonic()
 
-    result = serve(p.requests, prompts, scheduler=scheduler, engine=engine, on_iteration=on_iteration,
-                   on_finish=on_finish)  # fmt: skip
+    requests, next_turn = p.requests, None
+    if p.sessions is not None:  # the closed loop: each session's first turn, the others as their turns finish
+        (requests, prompts), next_turn = p.sessions.first_turns(), p.sessions.next_turn
+    result = serve(requests, prompts, scheduler=scheduler, engine=engine, on_iteration=on_iteration,
+                   on_finish=on_finish, next_turn=next_turn)  # fmt: skip
     row = run_metrics(result.records, result.duration_s, percentiles=cfg.percentiles,
                       ttft_slo_ms=cfg.ttft_slo_ms, tpot_slo_ms=cfg.tpot_slo_ms)  # fmt: skip
     row |= {
@@ -216,6 +240,8 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
         "mean_scheduler_ms": sum(scheduler_ms) / len(scheduler_ms),
         **p.dataset_columns,
     }
+    if p.sessions is not None:
+        row["ttft_ms_by_turn"] = p.sessions.ttft_ms_by_turn(result.records)
     writer.close(row, config=cfg.config_dict())
     return row
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -26,7 +27,16 @@ def summary_lines(row: dict, run_dir: Path) -> list[str]:
         f"{100 * row['peak_kv_utilization']:.0f}% at peak; prefix hit rate {100 * row['prefix_hit_rate']:.0f}%",
         f"  host         {row['mean_step_ms']:.1f} ms per forward, scheduler {row['mean_scheduler_ms']:.2f} ms "
         f"per iteration ({100 * row['mean_scheduler_ms'] / (row['mean_step_ms'] + row['mean_scheduler_ms']):.1f}%)",
-    ]
+    ] + _by_turn(row)
+
+
+def _by_turn(row: dict) -> list[str]:
+    """Chat sessions' TTFT by turn (the run row's JSON), the figure a prefix cache moves; none for other runs."""
+    if not row.get("ttft_ms_by_turn"):
+        return []
+    turns = json.loads(row["ttft_ms_by_turn"])
+    figures = ", ".join(f"{turn}: {f['p50']:.0f}/{f['p99']:.0f} ms" for turn, f in turns.items())
+    return [f"  by turn      TTFT p50/p99 per turn number {figures}"]
 
 
 def goodput_terms(row: dict) -> str:

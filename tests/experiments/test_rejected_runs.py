@@ -35,6 +35,8 @@ def last_line(result: subprocess.CompletedProcess) -> str:
         ("experiments.serve", ["-m", *SERVE_TINY, "tpot_slo_ms=fast,1s"], "tpot_slo_ms: 'fast' is not a duration"),
         ("experiments.serve", [*SERVE_TINY, "model=mla-tiny"], "model: mla-tiny is MLA"),
         ("experiments.serve", [*SERVE_TINY, "dataset=sharegpt"], "dataset: sharegpt needs a tokenizer"),
+        ("experiments.serve", [*SERVE_TINY, "dataset=sharegpt-multiturn", "max_turns=0"], "max_turns: must be an"),
+        ("experiments.serve", [*SERVE_TINY, "dataset=sharegpt-multiturn", "think_time_s=-1"], "think_time_s: must"),
         ("experiments.decode", ["weights=/nonexistent/model.gguf"], "weights: "),
         ("experiments.pd", ["kv_dtypes=[bogus]"], "kv_dtypes: unknown 'bogus'"),
         ("experiments.tiers", ["block_tokens=[0]"], "block_tokens: must be a non-empty list"),
@@ -48,6 +50,8 @@ def last_line(result: subprocess.CompletedProcess) -> str:
         "serve-multirun",
         "serve-mla",
         "serve-sharegpt-dummy",
+        "serve-multiturn-max-turns",
+        "serve-multiturn-think-time",
         "decode-gguf-missing",
         "pd",
         "tiers",
@@ -60,6 +64,29 @@ def test_a_rejected_config_is_one_line_and_leaves_no_folder(tmp_path, module, ov
     assert result.returncode == 2, result.stderr[-3000:]
     assert last_line(result).startswith("kvbench: bad config: ") and message in last_line(result)
     assert "Traceback" not in result.stderr
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("records", "overrides", "message"),
+    [
+        ('[{"id": "c0", "conversations": [{"from": "human", "val', [], "holds no whole conversation"),
+        ('[{"id": "c0", "conversations": [{"from": "human", "value": "w1 w2"}]}]', [],
+         "dataset: every one of 1 conversations is filtered out"),
+    ],
+    ids=["no-whole-record", "every-one-filtered"],
+)  # fmt: skip
+def test_a_multiturn_dataset_with_no_session_is_one_line_and_leaves_no_folder(
+    tmp_path, tmp_path_factory, llama_checkpoint, records, overrides, message
+):
+    """Each one line from plan(), after the config's checks and before the model is built."""
+    path = tmp_path_factory.mktemp("dataset") / "chats.json"
+    path.write_text(records)
+    result = run("experiments.serve", tmp_path, *SERVE_TINY, "dataset=sharegpt-multiturn", f"dataset_path={path}",
+                 f"weights={llama_checkpoint}", *overrides)  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert last_line(result).startswith("kvbench: bad config: ") and message in last_line(result)
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == []
 
 

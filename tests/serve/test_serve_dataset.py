@@ -183,9 +183,12 @@ def config(*overrides: str) -> ServeConfig:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["dataset=lmsys"], "^dataset: unknown value 'lmsys'; allowed: random, sharegpt$"),
+        (["dataset=lmsys"], "^dataset: unknown value 'lmsys'; allowed: random, sharegpt, sharegpt-multiturn$"),
         (["dataset=sharegpt"], r"^dataset: sharegpt needs a tokenizer; allowed: weights=<checkpoint dir with a "),
-        (["dataset_path=x.json"], "^dataset_path: only dataset=sharegpt takes it; allowed: null with dataset=random$"),
+        (
+            ["dataset_path=x.json"],
+            "^dataset_path: only dataset=sharegpt or sharegpt-multiturn takes it; allowed: null with dataset=random$",
+        ),
         (["dataset=sharegpt", "trace=t.jsonl"], "^trace: dataset=sharegpt takes its prompts from its conversations"),
         (["dataset=sharegpt", "prefix_len=4"], "^prefix_len: dataset=sharegpt takes its prompts .*; allowed: 0$"),
         (["dataset=sharegpt", "+sharegpt_output_len=0"], "^sharegpt_output_len: must be an integer >= 1"),
