@@ -3,8 +3,9 @@ front, within one workload at a time: rows of different workloads (WORKLOAD_COLU
 
 import streamlit as st
 
-from dashboard.charts.common import MARKS, MissingColumns, marks_warning, ok_rows, workload_label
-from dashboard.charts.strategies import PARETO_COLUMNS, kl_against_compression, strategy_pareto, strategy_table
+from dashboard.charts.accuracy import dummy_weights, kl_against_compression, ppl_delta_against_compression
+from dashboard.charts.common import MARKS, MissingColumns, marks_warning, numbers, ok_rows, workload_label
+from dashboard.charts.strategies import PARETO_COLUMNS, strategy_pareto, strategy_table
 from dashboard.sidebar import page_rows, plot
 from harness.formats import EXACT_REFERENCE
 from harness.store.schema import WORKLOAD_COLUMNS
@@ -51,5 +52,13 @@ st.caption("Every strategy against every format on one workload: `python -m expe
 plot("accuracy against compression", kl_against_compression, shown)
 st.caption(
     "The lossy rows only: KL of the lossy cache's next-token distribution from the exact cache's, against how many "
-    "times less KV it allocates. Eviction budgets: `python -m experiments.decode experiment=eviction`"
+    "times less KV it allocates, per model: a checkpoint's curves (solid) apart from dummy weights' (dotted), whose KL "
+    "bounds the format's rounding, not a model's loss. Eviction budgets: `python -m experiments.decode "
+    "experiment=eviction`; on a real model, add `model=smollm2-135m`"
 )
+if (numbers(shown, "ppl_delta").notna() & ~dummy_weights(shown)).any():  # perplexity: real checkpoints' rows only
+    plot("perplexity against compression", ppl_delta_against_compression, shown)
+    st.caption(
+        "The lossy rows of a real checkpoint: perplexity through the lossy cache minus the exact cache's, on the same "
+        "text (ppl_source: the prompts' own continuation, or eval_text), against the compression ratio."
+    )

@@ -3,8 +3,6 @@ what the lossy ones cost in accuracy for what they save in memory."""
 
 from __future__ import annotations
 
-import string
-
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -20,7 +18,6 @@ from dashboard.charts.common import (
     require,
     row_marks,
     scatter_class,
-    strategy_layouts,
     texts,
     treatment_keys,
     treatment_label,
@@ -28,7 +25,7 @@ from dashboard.charts.common import (
     workload_keys,
     workload_label,
 )
-from harness.formats import DTYPE_BYTES, EXACT_REFERENCE
+from harness.formats import EXACT_REFERENCE
 from harness.measure.stats import ratio_ci
 from harness.store.schema import KV_COLUMNS, WORKLOAD_COLUMNS
 
@@ -223,102 +220,6 @@ def strategy_pareto(rows: pd.DataFrame) -> go.Figure:
     if len(groups) > 1:  # the label only then: workload_label reads every row
         _name_the_workload(fig, f"one workload of {len(groups)}: {workload_label(ok).loc[chosen.index[0]]}")
     fig.update_layout(title_text=title, xaxis_title_text=x_title, yaxis_title_text=y_title)
-    return fig
-
-
-# What kl_against_compression reads: the exact KV bytes (2 x layers x KV heads x head_dim x compute-dtype bytes per
-# token, times the batch's tokens), what the row allocated, the KL, and how the row kept its KV.
-COMPRESSION_COLUMNS = (
-    "kl_mean",
-    "kv_bytes_allocated",
-    "n_layers",
-    "n_kv_heads",
-    "head_dim",
-    "top1_agreement",
-    *KV_COLUMNS,
-)
-
-
-def compression_ratio(rows: pd.DataFrame) -> pd.Series:
-    """Exact KV bytes at the compute dtype for the row's tokens (batch x (prompt + gen)) over kv_bytes_allocated:
-    2 for fp8 beside bf16, budget-fold for an eviction budget (prompt + gen) / budget; NaN where a figure is null."""
-    tokens = numbers(rows, "batch_size") * (numbers(rows, "prompt_len") + numbers(rows, "gen_len"))
-    per_token = 2 * numbers(rows, "n_layers") * numbers(rows, "n_kv_heads") * numbers(rows, "head_dim")
-    dtype_bytes = texts(rows, "dtype").map(DTYPE_BYTES).astype("float64")
-    return tokens * per_token * dtype_bytes / numbers(rows, "kv_bytes_allocated")
-
-
-def lossy_family(rows: pd.DataFrame) -> pd.Series:
-    """A trace per way of losing accuracy: the strategy's own name for it (its Layout's lossy_family, formatted with
-    the row's columns: "evict h2o", one per eviction policy; "sliding window"), else "quantized" (a layout that
-    declares none, at a narrow kv_dtype); a narrow kv_dtype under a lossy family is named too."""
-    cache, kv_dtype = texts(rows, "cache"), texts(rows, "kv_dtype")
-    narrow = (" " + kv_dtype).where(kv_dtype != texts(rows, "dtype"), "")
-    family = pd.Series("quantized " + kv_dtype, index=rows.index, dtype=object)
-    for name, layout in strategy_layouts(cache).items():
-        if layout.lossy_family is None:
-            continue
-        mine = (cache == name).to_numpy()
-        fields = [field for _, field, _, _ in string.Formatter().parse(layout.lossy_family) if field]
-        values = pd.DataFrame({field: texts(rows, field)[mine] for field in fields}, index=rows.index[mine])
-        named = [layout.lossy_family.format_map(row) for row in values.to_dict("records")]
-        family[mine] = [label + suffix for label, suffix in zip(named, narrow[mine], strict=True)]
-    return family
-
-
-def lossy_curve(rows: pd.DataFrame) -> pd.Series:
-    """Whether the row's strategy declares its family one curve through an option (Layout.lossy_curve: evict's
-    budgets), drawn joined; False for a strategy that declares nothing or is not known here."""
-    cache = texts(rows, "cache")
-    return cache.isin([name for name, layout in strategy_layouts(cache).items() if layout.lossy_curve])
-
-
-def kl_against_compression(rows: pd.DataFrame) -> go.Figure:
-    """KL(exact || lossy) per step against the KV compression ratio, per ok lossy row of one workload: one line per
-    eviction policy through its budgets, beside the sliding window and the quantized formats on the same axes (up
-    and to the left is worse: more KL for less saved). Rows of several workloads: the one with the most treatments,
-    named in a note, as strategy_pareto does."""
-    require(rows, ["kv_bytes_allocated", "cache", "kv_dtype"])  # no kl_mean anywhere: the "no lossy rows" figure
-    title = "Accuracy lost against KV memory saved"
-    x_title = "KV compression ratio (exact KV bytes at the compute dtype / kv_bytes_allocated)"
-    y_title = "KL(exact || lossy) per step, mean (nats)"
-    ok = ok_rows(rows, [*COMPRESSION_COLUMNS, *WORKLOAD_COLUMNS])
-    ok = ok[(numbers(ok, "kl_mean").notna() & compression_ratio(ok).notna()).to_numpy()]
-    groups = workload_groups(ok)
-    if not groups:
-        return message_figure(
-            title=title, x_title=x_title, y_title=y_title, message="no ok lossy rows: nothing with accuracy columns"
-        )
-    chosen = groups[0]
-    points = pd.DataFrame(
-        {
-            "x": compression_ratio(chosen),
-            "y": numbers(chosen, "kl_mean"),
-            "family": lossy_family(chosen),
-            "curve": lossy_curve(chosen),
-            "treatment": treatment_label(chosen),
-            "top1": numbers(chosen, "top1_agreement"),
-        }
-    ).sort_values(["family", "x"], kind="stable")
-    fig = go.Figure()
-    for i, (family, part) in enumerate(points.groupby("family", sort=True)):
-        curve = bool(part["curve"].any())  # a curve through an option (evict's budgets), as the strategy declares
-        fig.add_trace(
-            go.Scatter(
-                x=part["x"].to_numpy(np.float64),
-                y=part["y"].to_numpy(np.float64),
-                mode="lines+markers" if curve else "markers",  # a policy's budgets: a curve; others: points
-                name=family,
-                marker=dict(color=colour(i), size=10, symbol="circle" if curve else SYMBOLS[1 + i % 4]),
-                text=part["treatment"].to_numpy(),
-                customdata=part["top1"].to_numpy(np.float64),
-                hovertemplate="%{text}<br>compression %{x:.3g}x, KL %{y:.3g}, top-1 %{customdata:.3g}<extra></extra>",
-            )
-        )
-    if len(groups) > 1:  # the label only then: workload_label reads every row
-        _name_the_workload(fig, f"one workload of {len(groups)}: {workload_label(ok).loc[chosen.index[0]]}")
-    fig.update_layout(title_text=title, xaxis_title_text=x_title, yaxis_title_text=y_title)
-    fig.update_xaxes(type="log")
     return fig
 
 

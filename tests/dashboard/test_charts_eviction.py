@@ -1,4 +1,4 @@
-"""KL against the KV compression ratio (dashboard/charts/strategies.py: kl_against_compression): eviction policies
+"""KL against the KV compression ratio (dashboard/charts/accuracy.py: kl_against_compression): eviction policies
 as curves over their budgets, beside the sliding window and the quantized formats, on the same axes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from dashboard.charts.strategies import compression_ratio, kl_against_compression, lossy_family
+from dashboard.charts.accuracy import compression_ratio, kl_against_compression, lossy_family
 from harness import kv
 from harness.kv import KVCache, Layout
 from tests.dashboard.charts_rows import annotation_texts, frame, point, trace, trace_names
