@@ -1,6 +1,6 @@
 """Serving: the KV cache as a serving resource (issue #16). The runs found, the KV pool of one run against time,
-latency CDFs, throughput and p99 TTFT against qps with the knee, goodput, and the planner's concurrency beside the
-measured one.
+latency CDFs, throughput and p99 TTFT against qps with the knee, goodput, the planner's concurrency beside the
+measured one, and for chat sessions (dataset=sharegpt-multiturn) TTFT and the prefix hit rate by turn.
 
 Serving runs are not point rows: they live in <results folder>/serve/<run_id>/ (dashboard/serve_data.py), so this
 page ignores the sidebar's row filters and reads the same folders.
@@ -18,6 +18,7 @@ from dashboard.charts.serving import (
     qps_curves,
     run_labels,
 )
+from dashboard.charts.sessions import hit_rate_by_turn, session_runs, ttft_by_turn
 from dashboard.sidebar import current, plot, skipped_item
 
 NO_RUNS_HELP = (
@@ -118,3 +119,20 @@ st.caption(
     "counts queueing too, as vLLM's does, and is blank for a run recorded before it did). Below saturation fewer "
     "requests overlap, so a measured bar under the predicted one there is expected; at qps=inf the two should agree."
 )
+
+sessions = session_runs(finished)
+if len(sessions):  # chat sessions only: every other run has no turns to draw
+    st.subheader("Multi-turn sessions: TTFT and prefix hits by turn")
+    session_dir = st.selectbox(
+        "session run", list(sessions[serve_data.RUN_DIR]), format_func=labels.get, key="serving_session_run"
+    )
+    session = sessions[sessions[serve_data.RUN_DIR] == session_dir]
+    session_requests = serve_data.load_requests([session_dir])
+    plot("TTFT by turn", ttft_by_turn, session, session_requests)
+    plot("prefix hit rate by turn", hit_rate_by_turn, session_requests, run=labels[session_dir])
+    st.caption(
+        "A session's turn n resends its n - 1 turns of history: a prefix cache serves that history instead of "
+        "prefilling it again, so the hit rate climbs with the turn and TTFT stays near the first turn's. Hit tokens "
+        "are stacked by where their KV came from (device, host, disk) where the run recorded it. "
+        "`python -m experiments.serve model=smollm2-135m dataset=sharegpt-multiturn strategy=prefix`"
+    )

@@ -4,8 +4,11 @@ AppTest over serving runs made by the real producers (tests/serve/serve_runs.py)
 
 from __future__ import annotations
 
+import base64
+import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
@@ -192,6 +195,29 @@ def test_the_page_draws_the_planner_check_over_a_run_row_from_before_max_running
     at = serving_page(monkeypatch, tmp_path)
     assert len(at.get("plotly_chart")) == CHARTS
     assert not [w.value for w in at.warning if "needs columns" in str(w.value)]  # its old figure is the running one
+
+
+def array_values(array) -> list:
+    """A plotly JSON array as a list: plotly writes a numpy array as {"dtype", "bdata": base64 of its bytes}."""
+    if isinstance(array, dict):
+        return np.frombuffer(base64.b64decode(array["bdata"]), dtype=array["dtype"]).tolist()
+    return list(array)
+
+
+def test_a_multi_turn_run_adds_ttft_and_hit_rate_by_turn_and_a_single_turn_run_none(monkeypatch, tmp_path):
+    write_run(tmp_path, run_id="flat", qps=16.0)
+    write_run(tmp_path, run_id="chat", qps=8.0, turns=4)
+    at = serving_page(monkeypatch, tmp_path)
+    assert not [w.value for w in at.warning if "needs columns" in str(w.value)]
+    charts = [json.loads(chart.proto.spec) for chart in at.get("plotly_chart")]
+    assert len(charts) == CHARTS + 2
+    ttft, hits = charts[-2:]
+    assert ttft["layout"]["title"]["text"] == "TTFT by turn"
+    assert hits["layout"]["title"]["text"].startswith("Prefix hit rate by turn")
+    assert [array_values(trace["x"]) for trace in ttft["data"]] == [[1, 2, 3, 4]] * 2  # p50 and p99 by turn
+    assert [trace["name"] for trace in hits["data"]] == ["device"]  # a run without the tiers' columns
+    (session,) = [box for box in at.selectbox if box.key == "serving_session_run"]
+    assert session.options == ["paged / fp32 / qps 8"]  # the chat run alone: the single-turn one is no session run
 
 
 def test_serving_parts_are_not_reported_as_unreadable_point_rows(tmp_path):

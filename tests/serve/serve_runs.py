@@ -6,8 +6,10 @@ them (tests/serve/test_serve_rows.py does the same).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from harness.serve.dataset import dataset_columns
@@ -59,9 +61,12 @@ def write_run(
     run_id: str | None = None,
     finished: bool = True,
     seed: int = 0,
+    turns: int = 0,
 ) -> Path:
     """One simulated serving run in <results_dir>/serve/<run_id>/; finished=False leaves it as a run killed after
-    its last flush: request and iteration parts, no run.parquet."""
+    its last flush: request and iteration parts, no run.parquet. turns > 0 writes it as chat sessions' (dataset
+    sharegpt-multiturn): request i is turn i % turns + 1 of session i // turns, and the run row has its TTFT by turn
+    (the stream is still the synthetic one: the dashboard reads the columns, not the prompts)."""
     run_id = run_id or f"{sweep_id}-{strategy}-{kv_dtype}-qps{qps:g}"
     spec = RequestSpec(
         num_prompts=NUM_PROMPTS,
@@ -83,7 +88,9 @@ def write_run(
     run_dir = serve_run_dir(results_dir, run_id)
     with ServeRunWriter(run_dir, flush_every=8) as writer:
         for record in simulation.records:
-            writer.add_request(request_row(record))
+            index = int(record.request_id)  # "0", "1", ...: the stream's order
+            session = {"session_id": index // turns, "turn": index % turns + 1} if turns else {}
+            writer.add_request(request_row(record, **session))
         for row in iterations:
             writer.add_iteration(row)
         if not finished:
@@ -109,11 +116,32 @@ def write_run(
             "peak_kv_utilization": max(utilization),
             "mean_step_ms": sum(row["step_ms"] for row in iterations) / len(iterations),
             "mean_scheduler_ms": 0.0,
-            **dataset_columns("random"),
+            **(
+                dataset_columns("sharegpt-multiturn", ttft_ms_by_turn=_ttft_by_turn(simulation.records, turns))
+                if turns
+                else dataset_columns("random")
+            ),
         }
         metrics = run_metrics(simulation.records, duration_s, ttft_slo_ms=TTFT_SLO_MS)
         writer.close({**metrics, **context}, config={"strategy": strategy, "qps": qps})
     return run_dir
+
+
+def _ttft_by_turn(records, turns: int) -> str:
+    """The run row's ttft_ms_by_turn for request i as turn i % turns + 1 (harness.serve.multiturn's figures)."""
+    by_turn: dict[int, list[float]] = {}
+    for record in records:
+        by_turn.setdefault(int(record.request_id) % turns + 1, []).append(record.ttft_s * 1e3)
+    return json.dumps(
+        {
+            str(turn): {
+                "count": len(ttfts),
+                "p50": float(np.percentile(ttfts, 50)),
+                "p99": float(np.percentile(ttfts, 99)),
+            }
+            for turn, ttfts in sorted(by_turn.items())
+        }
+    )
 
 
 def write_sweep(results_dir: str | Path, *, strategies=STRATEGIES, qps_values=QPS) -> list[Path]:
