@@ -271,3 +271,27 @@ def test_the_committed_reference_results_are_included_by_default(monkeypatch, tm
     assert not at.exception
     rows = at.dataframe[1].value
     assert len(rows) == len(reference_rows()) and set(rows["source"]) == {"reference"}
+
+
+def test_strategies_page_draws_a_checkpoints_kl_and_perplexity_and_names_it(monkeypatch, tmp_path):
+    rows = reference_rows()
+    eviction = rows[rows["sweep_id"] == rows.loc[rows["cache"] == "evict", "sweep_id"].iloc[0]]
+    lossy = eviction["kl_mean"].notna()
+    as_checkpoint = eviction.assign(
+        model="SmolLM2-135M-Instruct.Q4_1",
+        weights="/cache/gguf/ab12/SmolLM2-135M-Instruct.Q4_1",
+        prompt_source="sharegpt",
+        ppl_delta=eviction["kl_mean"].where(lossy) * 10,  # the lossy rows' delta; the exact rows' null
+        ppl_source="sharegpt",
+    )
+    write_rows(as_checkpoint, tmp_path)
+    at = open_app(monkeypatch, tmp_path, page="strategies")
+    pareto, kl, ppl = figures(at)
+    assert kl["layout"]["title"]["text"].endswith(": SmolLM2-135M-Instruct.Q4_1, ShareGPT prompts")
+    assert ppl["layout"]["yaxis"]["title"]["text"] == "perplexity delta (lossy - exact cache's)" and ppl["data"]
+
+
+def test_strategies_page_on_dummy_weights_alone_marks_them_and_draws_no_perplexity(monkeypatch, fixture_dir):
+    at = open_app(monkeypatch, fixture_dir, page="strategies")
+    pareto, kl = figures(at)
+    assert "dummy weights" in kl["layout"]["title"]["text"]
