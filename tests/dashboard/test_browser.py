@@ -23,7 +23,8 @@ playwright = pytest.importorskip("playwright", reason="pip install playwright (t
 
 REFERENCE = Path(__file__).resolve().parents[2] / "results" / "reference"
 # The Serving page reads <results>/serve/: beside the committed reference's runs (one rate each), the fixture adds a
-# small simulated qps sweep (2 strategies × 2 rates, and a killed run), which takes a second, so the qps charts draw.
+# small simulated qps sweep (2 strategies × 2 rates, a killed run and a multi-turn one), which takes a second, so the
+# qps and by-turn charts draw.
 PAGES = browser.PAGES
 
 
@@ -35,6 +36,7 @@ def reports(tmp_path_factory):
     shutil.copytree(REFERENCE, results / "reference")
     write_sweep(results, qps_values=(4.0, 64.0))
     write_run(results, run_id="killed", finished=False)
+    write_run(results, run_id="chat", qps=8.0, turns=4)  # chat sessions: the by-turn charts draw too
     shots = tmp_path_factory.mktemp("screenshots")
     return {report.name: report for report in browser.visit_all(results, pages=PAGES, screenshots=shots)}
 
