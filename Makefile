@@ -26,7 +26,7 @@ PARTITION ?=
 SLURM_ARGS ?=
 SLURM_RESULTS ?= results/slurm-check
 
-.PHONY: help setup run test test-cuda-trace lint docs ceilings tiers prefix-reuse pd dashboard screenshot bench-dashboard bench bench-sweep \
+.PHONY: help setup run test test-cuda-trace lint docs ceilings tiers prefix-reuse accuracy-real pd dashboard screenshot bench-dashboard bench bench-sweep \
 	serve-quick serve-qps bench-serve \
 	clean-results gpu-wheels slurm-check slurm-up slurm-down
 
@@ -104,6 +104,17 @@ tiers: setup ## GB/s of KV blocks between device, host and disk tiers per block 
 
 prefix-reuse: setup ## A system prompt's KV from device, host tier, disk and recomputed: TTFT each (run it twice)
 	$(BIN)/python -m experiments.decode experiment=prefix-reuse $(ARGS)
+
+# make accuracy-real: the four grids of conf/experiment/accuracy-real.yaml, one results folder
+ACCURACY_RESULTS ?= results/accuracy-real
+ACCURACY_BUDGETS := 102,307,512,717,922
+accuracy-real: setup ## What fp8/int8/int4, sliding and eviction cost SmolLM2-135M on ShareGPT replies (KL, top-1, ppl)
+	$(BIN)/python -m experiments.decode -m experiment=accuracy-real results_dir=$(ACCURACY_RESULTS) kv_dtype=fp8_e4m3,int8 $(ARGS)
+	$(BIN)/python -m experiments.decode -m experiment=accuracy-real results_dir=$(ACCURACY_RESULTS) kv_dtype=int4 kv_group_size=32,64 $(ARGS)
+	$(BIN)/python -m experiments.decode -m experiment=accuracy-real results_dir=$(ACCURACY_RESULTS) cache=sliding cache.sinks=4 \
+		cache.window=$(ACCURACY_BUDGETS) $(ARGS)
+	$(BIN)/python -m experiments.decode -m experiment=accuracy-real results_dir=$(ACCURACY_RESULTS) cache=evict \
+		cache.policy=h2o,snapkv,knorm,random cache.budget=$(ACCURACY_BUDGETS) $(ARGS)
 
 pd: setup ## Prefill in one process, decode in another: KV transfer over shm, TCP and gloo against context
 	$(BIN)/python -m experiments.pd $(ARGS)
