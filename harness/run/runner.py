@@ -53,7 +53,7 @@ def ensure_ceilings(cfg: RunConfig) -> None:
         ceilings.load_or_measure(device, directory, quick=cfg.ceilings_quick)
         return
     child = mp.get_context("spawn").Process(
-        target=ceilings.load_or_measure, args=(device.type, directory, cfg.ceilings_quick), daemon=True
+        target=_ceilings_main, args=(device.type, directory, cfg.ceilings_quick, os.getpid()), daemon=True
     )
     child.start()
     child.join()
@@ -158,6 +158,13 @@ class Worker:
             self.process.kill()
             self.process.join()
         self.conn.close()
+
+
+def _ceilings_main(device: str, directory: str | Path, quick: bool, parent_pid: int) -> None:
+    """The ceilings' own process: it dies with the sweep, as a worker does (a full measurement streams buffers of
+    several times the last-level cache, which can take minutes where that cache is large)."""
+    die_with_parent(parent_pid)
+    ceilings.load_or_measure(device, directory, quick=quick)
 
 
 def _worker_main(conn, parent_pid: int) -> None:
