@@ -4,6 +4,8 @@ the tokens stay those of a contiguous pool, and a corrupted block file is a miss
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from harness.serve.engine import Engine, build_cache, serve
 from harness.serve.requests import Request
 from harness.serve.rows import load_run, serve_run_dir
 from harness.serve.scheduler import Scheduler, SchedulerConfig
+from harness.serve.summary import summary_lines
 from harness.serve.tier_store import ServeTiers
 from harness.serve.tiered import TieredPrefixManager
 from tests.serve.test_serve_multiturn import chat_checkpoint, chat_file, config, multiturn  # noqa: F401  (fixtures)
@@ -172,6 +175,8 @@ def test_a_multiturn_run_with_a_host_tier_records_hits_by_source_and_the_tiers_f
     assert stored["tier_loaded_bytes"] > 0 and stored["tier_offloaded_bytes"] >= stored["tier_loaded_bytes"]
     assert stored["tier_d2h_gbps"] > 0 and stored["tier_h2d_gbps"] > 0 and stored["tier_disk_read_gbps"] is None
     assert '"cache": {"disk_dir": null, "disk_gb": 16.0, "host_gb": 1' in stored["config_json"]
+    (line,) = [line for line in summary_lines(row, Path()) if line.strip().startswith("tiers ")]
+    assert f"host {100 * row['prefix_hit_rate_host']:.0f}%" in line and "MiB loaded (not recomputed)" in line
 
 
 def test_a_run_without_tiers_has_null_tier_columns(tmp_path, chat_checkpoint, chat_file):  # noqa: F811
@@ -181,6 +186,7 @@ def test_a_run_without_tiers_has_null_tier_columns(tmp_path, chat_checkpoint, ch
     assert requests["prefix_hit_tokens_host"].isna().all() and stored["tier_loaded_bytes"] is None
     assert stored["prefix_hit_rate_device"] == pytest.approx(stored["prefix_hit_rate"])
     assert '"cache"' not in stored["config_json"]
+    assert not any(line.strip().startswith("tiers ") for line in summary_lines(stored, Path()))
 
 
 def test_a_corrupted_disk_block_file_is_a_miss_and_the_tokens_stay_the_contiguous_pools(
