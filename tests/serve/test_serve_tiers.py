@@ -206,11 +206,6 @@ def test_a_corrupted_disk_block_file_is_a_miss_and_the_tokens_stay_the_contiguou
     outputs, manager = served(app.plan(multiturn(chat_checkpoint, chat_file, "prefix", *overrides)))
     assert outputs == contiguous_outputs
     assert len(manager.tiers.store.rejected) > 0
-    first_turns = {
-        s.first_request_id
-        for s in app.plan(multiturn(chat_checkpoint, chat_file, "prefix", *overrides)).sessions.sessions
-    }
-    assert all(tokens == 0 for rid, tokens in by_source(manager, "disk").items() if rid in first_turns)
 
 
 @pytest.mark.parametrize(
