@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.config import DTYPES
+from harness.config import DTYPES, Workload
 from harness.errors import ConfigError
 from harness.kv.block_file import FILE_SUFFIX
 from harness.modeling.model import build_model
@@ -21,8 +21,8 @@ from harness.serve.requests import Request
 from harness.serve.rows import load_run, serve_run_dir
 from harness.serve.scheduler import Scheduler, SchedulerConfig
 from harness.serve.summary import summary_lines
-from harness.serve.tier_store import ServeTiers
-from harness.serve.tiered import TieredPrefixManager
+from harness.serve.tier_store import ServeTiers, key_bytes
+from harness.serve.tiered import TieredPrefixManager, TierMoves, TierOptions
 from tests.serve.test_serve_multiturn import chat_checkpoint, chat_file, config, multiturn  # noqa: F401  (fixtures)
 
 BLOCK = 4
@@ -234,3 +234,21 @@ def test_a_disk_dir_that_cannot_be_created_is_one_line_before_the_model_is_built
         ConfigError, match=r"^cache\.disk_dir: .*/file/kv cannot be created \(.*\); allowed: a writable"
     ):
         app.plan(cfg)
+
+
+def test_a_block_evicted_and_loaded_into_in_one_iteration_is_copied_out_before_it_is_overwritten():
+    """The engine's order: the offload reads the evicted block's K/V first, then the load writes the same block."""
+    args = Workload(model="tiny", cache={"name": "paged"}).model_args()
+    cache, _ = build_cache("prefix", args, kv_dtype="fp32", num_blocks=4, block_size=BLOCK, max_model_len=16,
+                           device=torch.device("cpu"))  # fmt: skip
+    for block in range(4):  # every block's rows hold its own number
+        cache.write_blocks([block], {name: torch.full_like(part, float(block)) for name, part in
+                                     cache.read_blocks([block]).items()})  # fmt: skip
+    tiers = ServeTiers.build(TierOptions(host_gb=1.0), cache=cache, model_id="m")
+    tiers.apply(cache, TierMoves(offload=((2, 22),)))  # hash 22: block 2's K/V (2.0), now in the host tier
+    cache.write_blocks([2], {name: torch.full_like(part, 5.0) for name, part in cache.read_blocks([2]).items()})
+    assert tiers.source(22) == "host"  # the next iteration's lookup (the manager's, in its schedule)
+    tiers.apply(cache, TierMoves(offload=((2, 33),), load=((2, 22, "host"),)))  # 2 evicted again, and loaded into
+    assert all(torch.all(part == 2.0) for part in cache.read_blocks([2]).values())
+    stored = tiers.store.host[key_bytes(33)]
+    assert all(torch.all(part == 5.0) for part in stored.values())  # what block 2 held before the load
