@@ -178,7 +178,9 @@ class TieredPrefixManager(PagedKVManager):
 
     def take_tier_moves(self) -> TierMoves:
         """This iteration's evictions and loads, handed over once (the scheduler puts them in its output)."""
-        moves = TierMoves(offload=tuple(self.pool.evicted), load=tuple(self.loads))
+        # A ("prefix", index) key (the synthetic stream's) names a position, not tokens: it is never stored.
+        offload = tuple((block, key) for block, key in self.pool.evicted if isinstance(key, int))
+        moves = TierMoves(offload=offload, load=tuple(self.loads))
         self.pool.evicted.clear()
         self.loads.clear()
         return moves

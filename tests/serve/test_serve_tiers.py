@@ -79,11 +79,16 @@ def test_an_evicted_cached_block_goes_to_the_host_tier_and_a_later_request_loads
     assert set(first) <= manager.pool.cached.keys()  # cached on the device again
 
 
-def test_a_request_without_block_hashes_never_asks_the_tiers():
+def test_the_synthetic_streams_positional_prefix_blocks_never_reach_the_tiers():
+    """Its ("prefix", index) keys name a position, not tokens: neither looked up nor offloaded when evicted."""
     tiers = HostDict()
-    manager = TieredPrefixManager(num_blocks=8, block_size=BLOCK, tiers=tiers)
-    manager.cached_prefix_tokens(Request(request_id=0, arrival_s=0.0, prompt_len=12, output_len=1, prefix_len=8), 12)
-    assert tiers.looked_up == []
+    manager = TieredPrefixManager(num_blocks=3, block_size=BLOCK, tiers=tiers)
+    first = Request(request_id=0, arrival_s=0.0, prompt_len=12, output_len=1, prefix_len=8)
+    assert manager.cached_prefix_tokens(first, 12) == 0 and tiers.looked_up == []
+    manager.allocate(first, 12)
+    manager.free(0)
+    manager.allocate(turn(1, list(range(50, 62))), 12)  # takes every block: the two prefix blocks evicted
+    assert manager.pool.num_evictions == 2 and manager.take_tier_moves().offload == ()
 
 
 # The end to end runs: the multiturn tests' chat checkpoint and conversations, in a pool of 12 blocks of 8 tokens,
