@@ -160,6 +160,9 @@ RUN_COLUMNS: tuple[Column, ...] = (
             ("disk_read", "Block files read from the disk tier, checksums checked"),
         )
     ),
+    Column("host_gb", "float64", "GB", "The prefix pool's host tier (cache.host_gb, GB = 1e9 bytes); null: none"),
+    Column("disk_dir", "string", "", "The prefix pool's disk tier's directory (cache.disk_dir); null: none"),
+    Column("disk_gb", "float64", "GB", "The disk tier's capacity (cache.disk_gb); null: no disk tier"),
     Column(
         "tier_rejected_blocks", "int64", "", "Disk block files refused (checksum or identity): misses; null: no tiers"
     ),

@@ -37,7 +37,7 @@ from harness.errors import ConfigError
 MS_PER_S = 1000.0
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")  # vLLM's selected_percentile_metrics, in its print order
 DEFAULT_PERCENTILES = (50, 90, 99)  # issue #16's run row; vLLM's own default is 99 alone
-TIER_RUN_COLUMNS = (  # a prefix pool's tiers' figures (harness.serve.tier_store), null without tiers
+TIER_RUN_COLUMNS = (  # a prefix pool's tiers: their figures (harness.serve.tier_store) and options, null without
     "tier_offloaded_bytes",
     "tier_loaded_bytes",
     "tier_d2h_gbps",
@@ -45,6 +45,9 @@ TIER_RUN_COLUMNS = (  # a prefix pool's tiers' figures (harness.serve.tier_store
     "tier_disk_write_gbps",
     "tier_disk_read_gbps",
     "tier_rejected_blocks",
+    "host_gb",
+    "disk_dir",
+    "disk_gb",
 )
 
 # An SLO string's unit, to milliseconds per unit. Lower case only: "200S" or "200Ms" is a typo, not a unit.

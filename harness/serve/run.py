@@ -254,6 +254,7 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
         "mean_step_ms": sum(steps_ms) / len(steps_ms),
         "mean_scheduler_ms": sum(scheduler_ms) / len(scheduler_ms),
         **p.dataset_columns,
+        **cfg.tier_options.row_columns(),
         **(tiers.run_columns() if tiers is not None else {}),
     }
     if p.sessions is not None:

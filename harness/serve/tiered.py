@@ -61,6 +61,16 @@ class TierOptions:
     def as_dict(self) -> dict[str, Any]:
         return {"host_gb": self.host_gb, "disk_dir": self.disk_dir, "disk_gb": self.disk_gb}
 
+    def row_columns(self) -> dict[str, Any]:
+        """The run row's: a tier the run does not have is a null, not its default size (as the prefix strategy's
+        option columns, harness.kv.prefix.PrefixLayout)."""
+        has_disk = self.disk_dir is not None
+        return {
+            "host_gb": self.host_gb or None,
+            "disk_dir": self.disk_dir,
+            "disk_gb": self.disk_gb if has_disk else None,
+        }
+
 
 def split_tiers(cache: Mapping[str, Any]) -> tuple[dict[str, Any], TierOptions]:
     """A serving config's `cache` without its tier options, and those options (the rest is derived from strategy)."""

@@ -180,6 +180,7 @@ def test_a_multiturn_run_with_a_host_tier_records_hits_by_source_and_the_tiers_f
     assert stored["tier_loaded_bytes"] > 0 and stored["tier_offloaded_bytes"] >= stored["tier_loaded_bytes"]
     assert stored["tier_d2h_gbps"] > 0 and stored["tier_h2d_gbps"] > 0 and stored["tier_disk_read_gbps"] is None
     assert '"cache": {"disk_dir": null, "disk_gb": 16.0, "host_gb": 1' in stored["config_json"]
+    assert (stored["host_gb"], stored["disk_dir"], stored["disk_gb"]) == (1.0, None, None)
     (line,) = [line for line in summary_lines(row, Path()) if line.strip().startswith("tiers ")]
     assert f"host {100 * row['prefix_hit_rate_host']:.0f}%" in line and "MiB loaded (not recomputed)" in line
 
@@ -189,6 +190,7 @@ def test_a_run_without_tiers_has_null_tier_columns(tmp_path, chat_checkpoint, ch
     app.run(p, run_dir=serve_run_dir(tmp_path, "mt"), sweep_id="s")
     requests, _, stored = load_run(serve_run_dir(tmp_path, "mt"))
     assert requests["prefix_hit_tokens_host"].isna().all() and stored["tier_loaded_bytes"] is None
+    assert stored["host_gb"] is None and stored["disk_dir"] is None
     assert stored["prefix_hit_rate_device"] == pytest.approx(stored["prefix_hit_rate"])
     assert '"cache"' not in stored["config_json"]
     assert not any(line.strip().startswith("tiers ") for line in summary_lines(stored, Path()))
