@@ -208,6 +208,25 @@ class TieredStore:
                 self._host_insert(key, block)
         if not blocks:
             return None, 0, None
+        return self.to_device(blocks), len(blocks), slowest
+
+    def fetch(self, key: bytes) -> tuple[dict[str, torch.Tensor] | None, str | None]:
+        """One block on the host and the tier it came from: the host tier's, or a disk file's that passed both
+        checks (then kept in the host tier too); (None, None) for a miss or a refused file."""
+        if not self.enabled:
+            return None, None
+        if key in self.host:
+            self.host.move_to_end(key)
+            return self.host[key], HOST
+        block = self._read_file(key) if self._on_disk(key) else None
+        if block is None:
+            return None, None
+        if HOST in self.tiers:
+            self._host_insert(key, block)
+        return block, DISK
+
+    def to_device(self, blocks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Host blocks as parts [L, n, ...] on the device, timed as one h2d."""
         start = time.perf_counter()
         non_blocking = self.device.type == "cuda"
         parts = {
@@ -216,7 +235,7 @@ class TieredStore:
         }
         synchronize(self.device)
         self.transfers.append(Transfer(HOST, "h2d", parts_bytes(parts), time.perf_counter() - start))
-        return parts, len(blocks), slowest
+        return parts
 
     def _read_file(self, key: bytes) -> dict[str, torch.Tensor] | None:
         path = self.path(key)

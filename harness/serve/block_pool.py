@@ -32,6 +32,9 @@ class BlockPool:
         self.block_hash: dict[int, object] = {}  # block id -> its hash, for cached blocks only
         self.cached: dict[object, int] = {}  # hash -> block id (vLLM's cached_block_hash_to_block)
         self.num_evictions = 0
+        # A list: each eviction's (block, hash) is appended, for the tiers to copy out before the block is reused
+        # (harness.serve.tiered); None: evicted blocks are simply dropped.
+        self.evicted: list[tuple[int, object]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -45,8 +48,11 @@ class BlockPool:
         for _ in range(count):
             block, _ = self.free_queue.popitem(last=False)
             if block in self.block_hash:  # vLLM's _maybe_evict_cached_block
-                del self.cached[self.block_hash.pop(block)]
+                block_hash = self.block_hash.pop(block)
+                del self.cached[block_hash]
                 self.num_evictions += 1
+                if self.evicted is not None:
+                    self.evicted.append((block, block_hash))
             self.ref_counts[block] = 1
             blocks.append(block)
         return blocks

@@ -38,9 +38,32 @@ REQUEST_COLUMNS: tuple[Column, ...] = (
     _required("e2el_ms", "float64", "ms", "End-to-end latency, from arrival to the last token"),
     _required("prompt_len", "int64", "tokens", "Prompt tokens of the request"),
     _required("output_len", "int64", "tokens", "Tokens generated for the request"),
-    _required("prefix_hit_tokens", "int64", "tokens", "Prompt tokens whose KV came from the prefix cache"),
+    _required(
+        "prefix_hit_tokens",
+        "int64",
+        "tokens",
+        "Prompt tokens whose KV came from the prefix cache, device and tiers; prompt_len minus it were computed",
+    ),
+    Column(
+        "prefix_hit_tokens_device",
+        "int64",
+        "tokens",
+        "Of prefix_hit_tokens, those found on the device; null: a row written before it was recorded",
+    ),
+    Column(
+        "prefix_hit_tokens_host",
+        "int64",
+        "tokens",
+        "Of prefix_hit_tokens, those loaded from the host tier (cache.host_gb); null: no tiers",
+    ),
+    Column(
+        "prefix_hit_tokens_disk",
+        "int64",
+        "tokens",
+        "Of prefix_hit_tokens, those loaded from the disk tier (cache.disk_dir); null: no tiers",
+    ),
     _required("preemptions", "int64", "", "Times the request was preempted (its KV freed, recomputed later)"),
-    # A chat session's (dataset=sharegpt-multiturn). The host and disk tiers will add the tokens they served.
+    # A chat session's (dataset=sharegpt-multiturn)
     Column("session_id", "int64", "", "The chat session the request is a turn of; null: not a session's"),
     Column("turn", "int64", "", "Its turn in the session, from 1; null: not a session's"),
 )
@@ -101,6 +124,48 @@ RUN_COLUMNS: tuple[Column, ...] = (
     _required("max_running_requests", "int64", "", "Most requests running at once (first scheduled to finished)"),
     _required("total_preemptions", "int64", "", "Preemptions over the run"),
     _required("prefix_hit_rate", "float64", "", "Prompt tokens served from the prefix cache / all prompt tokens"),
+    *(
+        Column(
+            f"prefix_hit_rate_{source}", "float64", "", f"Prompt tokens served from {where} / all prompt tokens{null}"
+        )
+        for source, where, null in (
+            ("device", "the device's prefix cache", "; null: a row written before it was recorded"),
+            ("host", "the host tier", "; null: no tiers"),
+            ("disk", "the disk tier", "; null: no tiers"),
+        )
+    ),
+    Column(
+        "tier_offloaded_bytes",
+        "int64",
+        "bytes",
+        "Evicted prefix blocks copied from the device into the tiers (every layer's K, V and scales); null: no tiers",
+    ),
+    Column(
+        "tier_loaded_bytes",
+        "int64",
+        "bytes",
+        "Prefix blocks loaded from the tiers into the device: KV not recomputed; null: no tiers",
+    ),
+    *(
+        Column(
+            f"tier_{direction}_gbps",
+            "float64",
+            "GB/s",
+            f"{what}, bytes / seconds of the timed copies (GB = 1e9); null: no tiers, or no such copy",
+        )  # fmt: skip
+        for direction, what in (
+            ("d2h", "Offload: device to the host tier"),
+            ("h2d", "Load: the host tier to the device"),
+            ("disk_write", "Block files written to the disk tier"),
+            ("disk_read", "Block files read from the disk tier, checksums checked"),
+        )
+    ),
+    Column("host_gb", "float64", "GB", "The prefix pool's host tier (cache.host_gb, GB = 1e9 bytes); null: none"),
+    Column("disk_dir", "string", "", "The prefix pool's disk tier's directory (cache.disk_dir); null: none"),
+    Column("disk_gb", "float64", "GB", "The disk tier's capacity (cache.disk_gb); null: no disk tier"),
+    Column(
+        "tier_rejected_blocks", "int64", "", "Disk block files refused (checksum or identity): misses; null: no tiers"
+    ),
     _required("sweep_id", "string", "", "The sweep the run belongs to (the runs of one -m sweep); a single run's own"),
     _required("engine", "string", "", "kvbench, or the peer (transformers)"),
     _required("strategy", "string", "", "KV-cache strategy name"),

@@ -20,6 +20,7 @@ from harness.serve.kv_manager import check_window, serving
 from harness.serve.metrics import parse_slo_ms
 from harness.serve.multiturn import check_session_knobs
 from harness.serve.scheduler import SchedulerConfig
+from harness.serve.tiered import check_tiers, split_tiers
 
 # Workload fields a serving run does not take: the stream sets the batch, the engine runs SDPA on a float or
 # per-token-scaled pool (no int4 groups, no MLA). Each must stay at its default, so that none is silently ignored.
@@ -98,6 +99,10 @@ class ServeConfig(Workload):
 
     def __post_init__(self) -> None:
         served = serving(self.strategy)  # one line for a strategy unknown or that does not serve, with its reason
+        # cache.host_gb / disk_dir / disk_gb (conf/serve.yaml): the prefix pool's tiers, the one part of `cache` a
+        # serving run sets (harness.serve.tiered); the planner's cache stays the strategy's.
+        rest, self.tier_options = split_tiers({"name": self.cache} if isinstance(self.cache, str) else self.cache)
+        self.cache = rest or {"name": "contiguous"}  # only tier options given: the rest is the default
         # The planner models a window as a ring per request, not as paged blocks: a windowed strategy's cache is its
         # name alone (harness.serve.run.plan predicts no concurrency for it).
         blocks = {"block_size": self.block_size} if served.paged and not served.windowed else {}
@@ -120,6 +125,7 @@ class ServeConfig(Workload):
         check_choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
         self.check_dataset()
         check_window(self.strategy, self.sliding_window)
+        check_tiers(self.strategy, self.tier_options)
         device_type(self.device)
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             parse_slo_ms(getattr(self, name), name)
@@ -165,6 +171,8 @@ class ServeConfig(Workload):
             for name in SESSION_FIELDS:
                 del out[name]
         out["model"] = asdict(self.model) if not isinstance(self.model, dict) else self.model
+        if self.tier_options.enabled:  # a run without tiers keeps the keys recorded before them
+            out["cache"] = self.tier_options.as_dict()
         return out
 
     def scheduler_config(self) -> SchedulerConfig:

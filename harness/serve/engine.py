@@ -12,7 +12,8 @@ block tables come from the scheduler's KV manager (harness.serve.kv_manager), wh
 (`prefix`) and what a window frees (`sliding`, read under the window's mask). Preemption by recompute needs
 nothing here: the request's blocks are gone, and it re-prefills its prompt and outputs. Swap copies a victim's
 blocks to host memory before the forward that reuses them, and back into its new blocks when it is readmitted
-(vLLM v0's swap_out / swap_in).
+(vLLM v0's swap_out / swap_in). A prefix pool with tiers (harness.serve.tiered) copies the blocks its manager
+evicted into the host and disk tiers, and the tiers' hits into their new blocks, before the forward too.
 
 `serve` is the loop on the wall clock: requests join when the clock passes their arrival_s, an idle engine sleeps
 until the next arrival, and every iteration's host times are taken apart: `scheduler_s` (schedule and update) and
@@ -91,8 +92,11 @@ def build_cache(
 class Engine:
     """Executes SchedulerOutputs on `model` over `cache` (a harness.kv strategy built for serving, `build_cache`)."""
 
-    def __init__(self, model: torch.nn.Module, cache, *, num_slots: int | None = None, window: int | None = None):
+    def __init__(
+        self, model: torch.nn.Module, cache, *, num_slots: int | None = None, window: int | None = None, tiers=None
+    ):
         self.model, self.cache, self.window = model, cache, window
+        self.tiers = tiers  # a prefix pool's host and disk tiers (harness.serve.tier_store.ServeTiers), or None
         self.device = next(model.parameters()).device
         self.paged = num_slots is None  # else a slot per running request (contiguous)
         self.free_slots = list(range(num_slots or 0))[::-1]  # a stack: slot 0 first
@@ -152,6 +156,8 @@ class Engine:
         for rid in output.preempted_ids:
             if rid not in output.swapped_out_ids:
                 self._drop(rid)
+        if output.tier_moves is not None:
+            self.tiers.apply(self.cache, output.tier_moves)  # evicted blocks out, then the tiers' hits in
         if output.swap_out or output.swap_in:
             self._swap(output)
         entries = output.scheduled

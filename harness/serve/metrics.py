@@ -37,6 +37,18 @@ from harness.errors import ConfigError
 MS_PER_S = 1000.0
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")  # vLLM's selected_percentile_metrics, in its print order
 DEFAULT_PERCENTILES = (50, 90, 99)  # issue #16's run row; vLLM's own default is 99 alone
+TIER_RUN_COLUMNS = (  # a prefix pool's tiers: their figures (harness.serve.tier_store) and options, null without
+    "tier_offloaded_bytes",
+    "tier_loaded_bytes",
+    "tier_d2h_gbps",
+    "tier_h2d_gbps",
+    "tier_disk_write_gbps",
+    "tier_disk_read_gbps",
+    "tier_rejected_blocks",
+    "host_gb",
+    "disk_dir",
+    "disk_gb",
+)
 
 # An SLO string's unit, to milliseconds per unit. Lower case only: "200S" or "200Ms" is a typo, not a unit.
 SLO_UNIT_MS = {"ms": 1.0, "s": 1000.0, "us": 0.001}
@@ -128,10 +140,19 @@ class RequestRecord:
         return np.diff(self.token_times_s).tolist()
 
 
-def request_row(record: RequestRecord, *, session_id: int | None = None, turn: int | None = None) -> dict:
+def request_row(
+    record: RequestRecord,
+    *,
+    session_id: int | None = None,
+    turn: int | None = None,
+    prefix_hit_tokens_host: int | None = None,
+    prefix_hit_tokens_disk: int | None = None,
+) -> dict:
     """The request's row of the per-request table (issue #16 item 5), in milliseconds; session_id and turn (from
-    1) for a chat session's turn (harness.serve.multiturn), null otherwise."""
+    1) for a chat session's turn (harness.serve.multiturn), null otherwise. The prefix hits by source: those from
+    the host and disk tiers (harness.serve.tiered; null without tiers), the device's the rest of them."""
     tpot_s = record.tpot_s
+    from_tiers = (prefix_hit_tokens_host or 0) + (prefix_hit_tokens_disk or 0)
     return {
         "request_id": record.request_id,
         "arrival_s": record.arrival_s,
@@ -143,6 +164,9 @@ def request_row(record: RequestRecord, *, session_id: int | None = None, turn: i
         "prompt_len": record.prompt_len,
         "output_len": record.output_len,
         "prefix_hit_tokens": record.prefix_hit_tokens,
+        "prefix_hit_tokens_device": record.prefix_hit_tokens - from_tiers,
+        "prefix_hit_tokens_host": prefix_hit_tokens_host,
+        "prefix_hit_tokens_disk": prefix_hit_tokens_disk,
         "preemptions": record.preemptions,
         "session_id": session_id,
         "turn": turn,
@@ -249,11 +273,14 @@ def run_metrics(
     ttft_slo_ms: float | str | None = None,
     tpot_slo_ms: float | str | None = None,
     e2el_slo_ms: float | str | None = None,
+    tier_hit_tokens: Mapping[str, int] | None = None,
 ) -> dict:
     """The run row: counts, throughputs, the latency statistics and goodput, under vLLM's result keys.
 
     duration_s (vLLM's `duration`, seconds) is the run's wall time (first arrival to last finish, or the engine's own
     clock), which every throughput divides. The SLOs take what parse_slo_ms takes and are recorded in the row.
+    tier_hit_tokens: the prompt tokens the host and disk tiers served ({"host": n, "disk": n}; None: no tiers, their
+    rates and figures null), part of every record's prefix_hit_tokens; the device's are the rest.
     """
     if len(records) == 0:
         raise ConfigError("records: no finished requests; a run's metrics need at least one RequestRecord")
@@ -311,8 +338,13 @@ def run_metrics(
     row["total_preemptions"] = sum(record.preemptions for record in records)
     # Every prompt has at least one token (RequestRecord checks), so the rate is always defined; a run without a
     # prefix cache reads 0.0.
-    row["prefix_hit_rate"] = sum(record.prefix_hit_tokens for record in records) / total_input_tokens
-    return row
+    hit_tokens = sum(record.prefix_hit_tokens for record in records)
+    row["prefix_hit_rate"] = hit_tokens / total_input_tokens
+    from_tiers = dict.fromkeys(("host", "disk")) if tier_hit_tokens is None else tier_hit_tokens
+    row["prefix_hit_rate_device"] = (hit_tokens - sum(n or 0 for n in from_tiers.values())) / total_input_tokens
+    for source, tokens in from_tiers.items():
+        row[f"prefix_hit_rate_{source}"] = None if tokens is None else tokens / total_input_tokens
+    return row | dict.fromkeys(TIER_RUN_COLUMNS)  # harness.serve.run fills them from its tiers
 
 
 def knee(

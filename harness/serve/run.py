@@ -26,6 +26,8 @@ from harness.serve.requests import RequestSpec, describe, generate, prompt_token
 from harness.serve.rows import ServeRunWriter, iteration_row
 from harness.serve.scheduler import Scheduler, SchedulerConfig
 from harness.serve.sharegpt import read_sharegpt
+from harness.serve.tier_store import ServeTiers
+from harness.serve.tiered import TieredPrefixManager, make_disk_dir
 
 FLUSH_EVERY_S = 1.0  # finished requests reach disk at least this often (s), whatever ServeRunWriter's flush_every
 
@@ -100,6 +102,7 @@ def plan(cfg: ServeConfig) -> Plan:
             max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, watermark=cfg.watermark,
         ).predicted_max_running  # fmt: skip
     text_ids = read_text_ids(cfg.text_ids) if cfg.text_ids is not None else None
+    make_disk_dir(cfg.tier_options)  # one line for a disk_dir that cannot be made, before the model is built
     if text_ids is not None:  # its length and id range, against this stream and this model, before any work
         prompt_token_ids(requests, vocab_size=paged.model_args().vocab_size, seed=cfg.seed, text_ids=text_ids)
     return Plan(cfg, paged, kv_dtype, device, requests, scheduler_config, budget, num_blocks, predicted, block_bytes,
@@ -160,7 +163,10 @@ def read_text_ids(path: str) -> list[int]:
     return ids.tolist()
 
 
-def kv_manager(cfg: ServeConfig, num_blocks: int):
+def kv_manager(cfg: ServeConfig, num_blocks: int, *, tiers: ServeTiers | None = None):
+    """The run's KV manager; with tiers (cache.host_gb, cache.disk_dir), the prefix pool that keeps its evictions."""
+    if tiers is not None:
+        return TieredPrefixManager(num_blocks=num_blocks, block_size=cfg.block_size, tiers=tiers)
     return make_kv_manager(cfg.strategy, num_blocks=num_blocks, block_size=cfg.block_size,
                            max_model_len=cfg.max_model_len, sliding_window=cfg.sliding_window)  # fmt: skip
 
@@ -185,8 +191,14 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
     cache, num_slots = build_cache(cfg.strategy, args, kv_dtype=p.kv_dtype, num_blocks=p.num_blocks,
                                    block_size=cfg.block_size, max_model_len=cfg.max_model_len, device=device,
                                    dtype=cfg.dtype)  # fmt: skip
-    engine = Engine(model, cache, num_slots=num_slots, window=cfg.sliding_window)
-    scheduler = Scheduler(p.scheduler_config, kv_manager(cfg, p.num_blocks))
+    tiers = None
+    if cfg.tier_options.enabled:
+        from harness.run.point import model_id  # the weights' identity, which the disk tier files blocks under
+
+        tiers = ServeTiers.build(cfg.tier_options, cache=cache, model_id=model_id(cfg))
+    engine = Engine(model, cache, num_slots=num_slots, window=cfg.sliding_window, tiers=tiers)
+    manager = kv_manager(cfg, p.num_blocks, tiers=tiers)
+    scheduler = Scheduler(p.scheduler_config, manager)
     prompts = p.prompt_ids
     if prompts is None:
         prompts = prompt_token_ids(p.requests, vocab_size=args.vocab_size, seed=cfg.seed, text_ids=p.text_ids)
@@ -206,7 +218,8 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
 
     def on_finish(record):
         session = {} if p.sessions is None else p.sessions.request_columns(int(record.request_id))
-        writer.add_request(request_row(record, **session))
+        by_source = {} if tiers is None else manager.hit_tokens_by_source(int(record.request_id))
+        writer.add_request(request_row(record, **session, **by_source))
         if time.monotonic() - flushed[0] >= FLUSH_EVERY_S:  # a run killed midway keeps what finished
             writer.flush()
             flushed[0] = time.monotonic()
@@ -217,7 +230,9 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
     result = serve(requests, prompts, scheduler=scheduler, engine=engine, on_iteration=on_iteration,
                    on_finish=on_finish, next_turn=next_turn)  # fmt: skip
     row = run_metrics(result.records, result.duration_s, percentiles=cfg.percentiles,
-                      ttft_slo_ms=cfg.ttft_slo_ms, tpot_slo_ms=cfg.tpot_slo_ms)  # fmt: skip
+                      ttft_slo_ms=cfg.ttft_slo_ms, tpot_slo_ms=cfg.tpot_slo_ms,
+                      tier_hit_tokens=None if tiers is None else manager.tier_tokens(
+                          record.request_id for record in result.records))  # fmt: skip
     row |= {
         "sweep_id": sweep_id,
         "engine": "kvbench",
@@ -239,6 +254,8 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
         "mean_step_ms": sum(steps_ms) / len(steps_ms),
         "mean_scheduler_ms": sum(scheduler_ms) / len(scheduler_ms),
         **p.dataset_columns,
+        **cfg.tier_options.row_columns(),
+        **(tiers.run_columns() if tiers is not None else {}),
     }
     if p.sessions is not None:
         row["ttft_ms_by_turn"] = p.sessions.ttft_ms_by_turn(result.records)

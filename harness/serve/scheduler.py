@@ -32,6 +32,7 @@ from harness.errors import ConfigError
 from harness.serve.kv_manager import KVCacheBlocks, KVManager, KVUsage, blocks_for
 from harness.serve.metrics import RequestRecord
 from harness.serve.requests import Request
+from harness.serve.tiered import TieredPrefixManager, TierMoves
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -132,6 +133,9 @@ class SchedulerOutput:
     num_running: int
     num_waiting: int
     kv: KVUsage  # after this iteration's allocation
+    # The prefix's tier traffic (harness.serve.tiered): blocks evicted, to copy out, and blocks to load, both before
+    # the forward; None without tiers.
+    tier_moves: TierMoves | None = None
 
     @property
     def swapped_out_ids(self) -> tuple[int, ...]:
@@ -280,6 +284,7 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv=self.kv.usage(),
+            tier_moves=self.kv.take_tier_moves() if isinstance(self.kv, TieredPrefixManager) else None,
         )
 
     def _entry(self, state: RequestState, offset: int, num_new: int) -> ScheduledRequest:

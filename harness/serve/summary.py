@@ -12,22 +12,42 @@ from harness.serve.metrics import SLO_COLUMNS
 def summary_lines(row: dict, run_dir: Path) -> list[str]:
     """What a user reads at the end of a run: the figures beside what bounds them."""
     predicted = row["predicted_max_running"]
+    return (
+        [
+            f"serve {row['strategy']} {row['kv_dtype']} at qps={row['qps']:g}: {row['completed']} requests in "
+            f"{row['duration_s']:.1f} s ({row['num_iterations']} iterations) -> {run_dir}",
+            f"  throughput   {row['output_throughput']:.1f} output tok/s, {row['request_throughput']:.2f} req/s "
+            f"(goodput {row['request_goodput']:.2f} req/s: {goodput_terms(row)})",
+            f"  TTFT         median {row['median_ttft_ms']:.0f} ms, p99 {row.get('p99_ttft_ms', math.nan):.0f} ms",
+            f"  TPOT         median {row['median_tpot_ms']:.1f} ms, p99 {row.get('p99_tpot_ms', math.nan):.1f} ms",
+            f"  concurrency  {row['max_running_requests']} running at most, measured; planner predicted "
+            f"{'n/a' if predicted is None else predicted}; {row['max_concurrent_requests']} in flight at most "
+            f"(queueing included); {row['total_preemptions']} preemptions",
+            f"  KV pool      {row['num_blocks']} blocks of {row['block_size']} tokens "
+            f"({row['kv_budget_bytes'] / 2**20:.0f} MiB), used {100 * row['mean_kv_utilization']:.0f}% on average, "
+            f"{100 * row['peak_kv_utilization']:.0f}% at peak; prefix hit rate {100 * row['prefix_hit_rate']:.0f}%",
+            f"  host         {row['mean_step_ms']:.1f} ms per forward, scheduler {row['mean_scheduler_ms']:.2f} ms "
+            f"per iteration ({100 * row['mean_scheduler_ms'] / (row['mean_step_ms'] + row['mean_scheduler_ms']):.1f}%)",
+        ]
+        + _tiers(row)
+        + _by_turn(row)
+    )
+
+
+def _tiers(row: dict) -> list[str]:
+    """A prefix pool's tiers (cache.host_gb, cache.disk_dir): the hits each served and the copies' speed."""
+    if row.get("tier_loaded_bytes") is None:
+        return []
+
+    def gbps(name: str) -> str:
+        return "n/a" if row.get(name) is None else f"{row[name]:.1f} GB/s"
+
     return [
-        f"serve {row['strategy']} {row['kv_dtype']} at qps={row['qps']:g}: {row['completed']} requests in "
-        f"{row['duration_s']:.1f} s ({row['num_iterations']} iterations) -> {run_dir}",
-        f"  throughput   {row['output_throughput']:.1f} output tok/s, {row['request_throughput']:.2f} req/s "
-        f"(goodput {row['request_goodput']:.2f} req/s: {goodput_terms(row)})",
-        f"  TTFT         median {row['median_ttft_ms']:.0f} ms, p99 {row.get('p99_ttft_ms', math.nan):.0f} ms",
-        f"  TPOT         median {row['median_tpot_ms']:.1f} ms, p99 {row.get('p99_tpot_ms', math.nan):.1f} ms",
-        f"  concurrency  {row['max_running_requests']} running at most, measured; planner predicted "
-        f"{'n/a' if predicted is None else predicted}; {row['max_concurrent_requests']} in flight at most "
-        f"(queueing included); {row['total_preemptions']} preemptions",
-        f"  KV pool      {row['num_blocks']} blocks of {row['block_size']} tokens "
-        f"({row['kv_budget_bytes'] / 2**20:.0f} MiB), used {100 * row['mean_kv_utilization']:.0f}% on average, "
-        f"{100 * row['peak_kv_utilization']:.0f}% at peak; prefix hit rate {100 * row['prefix_hit_rate']:.0f}%",
-        f"  host         {row['mean_step_ms']:.1f} ms per forward, scheduler {row['mean_scheduler_ms']:.2f} ms "
-        f"per iteration ({100 * row['mean_scheduler_ms'] / (row['mean_step_ms'] + row['mean_scheduler_ms']):.1f}%)",
-    ] + _by_turn(row)
+        f"  tiers        hits device {100 * row['prefix_hit_rate_device']:.0f}%, host "
+        f"{100 * (row['prefix_hit_rate_host'] or 0):.0f}%, disk {100 * (row['prefix_hit_rate_disk'] or 0):.0f}%; "
+        f"{row['tier_loaded_bytes'] / 2**20:.1f} MiB loaded (not recomputed), {row['tier_offloaded_bytes'] / 2**20:.1f} "
+        f"MiB offloaded; d2h {gbps('tier_d2h_gbps')}, h2d {gbps('tier_h2d_gbps')}, disk read {gbps('tier_disk_read_gbps')}"
+    ]
 
 
 def _by_turn(row: dict) -> list[str]:

@@ -7,11 +7,14 @@ still use pytest.approx, because the code goes through seconds -> milliseconds a
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from harness.errors import ConfigError
 from harness.serve.metrics import (
+    TIER_RUN_COLUMNS,
     RequestRecord,
     max_concurrent_requests,
     max_running_requests,
@@ -143,7 +146,22 @@ def test_run_metrics_has_vllms_key_names():
         "max_running_requests",
         "total_preemptions",
         "prefix_hit_rate",
+        "prefix_hit_rate_device",
+        "prefix_hit_rate_host",
+        "prefix_hit_rate_disk",
+        *TIER_RUN_COLUMNS,
     }
+
+
+def test_the_prefix_hit_rate_splits_by_source_and_the_tiers_are_null_without_tiers():
+    records = [dataclasses.replace(r, prefix_hit_tokens=8) for r in three_requests()]  # 24 of 40 prompt tokens
+    without = run_metrics(records, DURATION_S)
+    assert without["prefix_hit_rate_device"] == without["prefix_hit_rate"] == pytest.approx(0.6)
+    assert without["prefix_hit_rate_host"] is None and without["prefix_hit_rate_disk"] is None
+    tiered = run_metrics(records, DURATION_S, tier_hit_tokens={"host": 10, "disk": 4})
+    assert tiered["prefix_hit_rate_device"] == pytest.approx(10 / 40)
+    assert (tiered["prefix_hit_rate_host"], tiered["prefix_hit_rate_disk"]) == pytest.approx((10 / 40, 4 / 40))
+    assert all(tiered[name] is None for name in TIER_RUN_COLUMNS)  # the run fills them from its store
 
 
 def test_counts_and_throughputs_over_the_duration():
