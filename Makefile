@@ -27,7 +27,7 @@ SLURM_ARGS ?=
 SLURM_RESULTS ?= results/slurm-check
 
 .PHONY: help setup run test test-cuda-trace lint docs ceilings tiers prefix-reuse accuracy-real pd dashboard screenshot bench-dashboard bench bench-sweep \
-	serve-quick serve-qps bench-serve \
+	serve-quick serve-qps serve-real bench-serve \
 	clean-results gpu-wheels slurm-check slurm-up slurm-down
 
 help: ## Show this help
@@ -137,6 +137,16 @@ serve-quick: setup ## Serve 32 requests on the small model with continuous batch
 
 serve-qps: setup ## The saturation sweep: qps x {contiguous, paged}; prints each strategy's knee
 	$(BIN)/python -m experiments.serve -m experiment=serve-qps $(ARGS)
+
+# make serve-real: the five commands of conf/experiment/serve-real.yaml, one results folder
+SERVE_REAL_RESULTS ?= results
+SESSIONS := dataset=sharegpt-multiturn max_turns=4 num_prompts=6
+serve-real: setup ## SmolLM2-135M serving ShareGPT, single requests and chat sessions: contiguous, paged, prefix, fp8, host tier
+	$(BIN)/python -m experiments.serve -m experiment=serve-real results_dir=$(SERVE_REAL_RESULTS) dataset=sharegpt strategy=contiguous,paged,prefix $(ARGS)
+	$(BIN)/python -m experiments.serve experiment=serve-real results_dir=$(SERVE_REAL_RESULTS) dataset=sharegpt strategy=paged kv_dtype=fp8_e4m3 $(ARGS)
+	$(BIN)/python -m experiments.serve -m experiment=serve-real results_dir=$(SERVE_REAL_RESULTS) $(SESSIONS) strategy=contiguous,paged,prefix $(ARGS)
+	$(BIN)/python -m experiments.serve experiment=serve-real results_dir=$(SERVE_REAL_RESULTS) $(SESSIONS) strategy=paged kv_dtype=fp8_e4m3 $(ARGS)
+	$(BIN)/python -m experiments.serve experiment=serve-real results_dir=$(SERVE_REAL_RESULTS) $(SESSIONS) strategy=prefix cache.host_gb=1 $(ARGS)
 
 bench-serve: setup ## Our serving engine beside transformers' continuous batching: same checkpoint, requests, KV pool
 	$(BIN)/python -m experiments.bench_serve $(ARGS)
