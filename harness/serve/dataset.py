@@ -128,24 +128,32 @@ def sample_sharegpt(
             dropped[reason] += 1
             continue
         kept.append((prompt_ids, wanted))
-    counts = ", ".join(f"{reason} {count}" for reason, count in dropped.items())
     rules = f"prompt and reply >= {MIN_LEN} tokens, prompt + output <= max_model_len={max_model_len}"
-    if not kept:
-        raise ConfigError(
-            f"dataset: every one of {len(conversations)} conversations is filtered out ({counts}); allowed: a "
-            f"dataset with a human turn and its reply, {rules}"
-        )
-    if len(kept) < num_prompts:
-        raise ConfigError(
-            f"num_prompts: only {len(kept)} of {len(conversations)} conversations pass the filters ({rules}; "
-            f"{counts}); allowed: num_prompts <= {len(kept)}"
-        )
+    check_enough(len(kept), num_prompts, conversations=len(conversations), dropped=dropped, rules=rules,
+                 passing="pass the filters")  # fmt: skip
     arrivals_s = arrival_times_s(spec)
     requests = [
         Request(request_id=index, arrival_s=float(arrivals_s[index]), prompt_len=len(ids), output_len=wanted)
         for index, (ids, wanted) in enumerate(kept)
     ]
     return Sample(requests=requests, prompt_ids=[ids for ids, _ in kept], dropped=dropped)
+
+
+def check_enough(kept: int, wanted: int, *, conversations: int, dropped: dict[str, int], rules: str, passing: str,
+                 unit: str = "") -> None:  # fmt: skip
+    """One ConfigError line when no conversation passes the filters (`dataset`) or fewer than `wanted` do
+    (`num_prompts`), with the drops by reason and the rules that made them."""
+    counts = ", ".join(f"{reason} {count}" for reason, count in dropped.items())
+    if not kept:
+        raise ConfigError(
+            f"dataset: every one of {conversations} conversations is filtered out ({counts}); allowed: a "
+            f"dataset with a human turn and its reply, {rules}"
+        )
+    if kept < wanted:
+        raise ConfigError(
+            f"num_prompts: only {kept} of {conversations} conversations {passing} ({rules}; {counts}); allowed: "
+            f"num_prompts <= {kept}{unit}"
+        )
 
 
 def drop_reason(prompt_len: int, output_len: int, *, fixed_output: bool, max_model_len: int) -> str | None:

@@ -48,7 +48,7 @@ import numpy as np
 
 from harness.errors import ConfigError
 from harness.serve.block_pool import hash_blocks
-from harness.serve.dataset import DROP_REASONS, HUMAN_ROLES, MIN_LEN, drop_reason
+from harness.serve.dataset import DROP_REASONS, HUMAN_ROLES, MIN_LEN, check_enough, drop_reason
 from harness.serve.metrics import MS_PER_S, RequestRecord
 from harness.serve.requests import Request, RequestSpec, arrival_times_s
 from harness.serve.sharegpt import Conversation
@@ -229,18 +229,9 @@ def sample_sessions(
         if reason is not None:
             cut_turns[reason] += len(pairs) - len(prompts)
         kept.append((prompts, outputs))
-    counts = ", ".join(f"{reason} {count}" for reason, count in dropped.items())
     rules = f"prompt and reply >= {MIN_LEN} tokens, a first turn's prompt + output <= max_model_len={max_model_len}"
-    if not kept:
-        raise ConfigError(
-            f"dataset: every one of {len(conversations)} conversations is filtered out ({counts}); allowed: a "
-            f"dataset with a human turn and its reply, {rules}"
-        )
-    if len(kept) < num_sessions:
-        raise ConfigError(
-            f"num_prompts: only {len(kept)} of {len(conversations)} conversations give a session ({rules}; "
-            f"{counts}); allowed: num_prompts <= {len(kept)} (sessions)"
-        )
+    check_enough(len(kept), num_sessions, conversations=len(conversations), dropped=dropped, rules=rules,
+                 passing="give a session", unit=" (sessions)")  # fmt: skip
     if prefix_breaks:
         log.warning("%d follow-up turns are not a token prefix of the next: the chat template re-renders the "
                     "history there, and the prefix cache shares only the blocks before the change", prefix_breaks)  # fmt: skip

@@ -30,6 +30,9 @@ PAGES = ("overview", "roofline", "memory", "strategies", "latency", "profile")
 NO_RESULTS_COMMANDS = ("make run", "python -m experiments.decode experiment=quickstart")
 TIMEOUT_S = 30  # one run on 2 busy cores; AppTest's default is 3 s
 QUICKSTART_SWEEP = "20261201-172538"  # results/reference/cpu-quickstart: none, contiguous, paged × 3 prompts
+# results/reference/cpu-strategies' workload on the strategies page (its selectbox label starts so); the page opens
+# on the workload with the most treatments, cpu-accuracy-real's (SmolLM2's formats, windows and policies)
+STRATEGIES_SWEEP = "small fp32 random sdpa -, weights dummy, batch 2, prompt 160,"
 NEWER_COLUMNS = [  # what a row of an older schema lacks (written as nulls)
     "arithmetic_intensity",
     "achieved_tflops",
@@ -70,6 +73,13 @@ def open_app(monkeypatch, directory: Path, page: str = "overview") -> AppTest:
         at.switch_page(f"app_pages/{page}.py").run()
     assert not at.exception, [e.value for e in at.exception]
     return at
+
+
+def choose_strategies_sweep(at: AppTest) -> None:
+    """The strategies page on cpu-strategies' workload: every cache and format on dummy weights."""
+    (choice,) = [box for box in at.selectbox if box.key == "strategies_workload"]
+    (option,) = [label for label in choice.options if label.startswith(STRATEGIES_SWEEP)]
+    choice.set_value(option).run()
 
 
 def figures(at: AppTest) -> list[dict]:
@@ -148,8 +158,9 @@ CHARTS_BY_PAGE = {  # page -> the x-axis title of each chart, in order
     "overview": ["rows"],
     "roofline": ["arithmetic intensity (FLOP/byte)", "batch size (sequences)", "batch size (sequences)"],
     "memory": ["context × batch (tokens × sequences)", "context (tokens per sequence)"],
-    "strategies": [
+    "strategies": [  # the default workload, cpu-accuracy-real's: a real model's, so its perplexity too
         "KV allocated (MiB)",
+        "KV compression ratio (exact KV bytes at the compute dtype / kv_bytes_allocated)",
         "KV compression ratio (exact KV bytes at the compute dtype / kv_bytes_allocated)",
     ],
     "latency": ["prompt length (tokens)", "prompt length (tokens)", "decode step", "point"],
@@ -206,6 +217,7 @@ def test_memory_page_draws_the_capacity_and_compares_planner_with_measured_kv(mo
 
 def test_strategies_page_tabulates_every_cache_and_format(monkeypatch, fixture_dir):
     at = open_app(monkeypatch, fixture_dir, page="strategies")
+    choose_strategies_sweep(at)
     (table,) = at.dataframe
     ok = disk.load(fixture_dir).query("status == 'ok'")
     shown = ok.merge(table.value[["model", "dtype", "batch_size", "prompt_len", "gen_len"]].drop_duplicates())
@@ -293,5 +305,6 @@ def test_strategies_page_draws_a_checkpoints_kl_and_perplexity_and_names_it(monk
 
 def test_strategies_page_on_dummy_weights_alone_marks_them_and_draws_no_perplexity(monkeypatch, fixture_dir):
     at = open_app(monkeypatch, fixture_dir, page="strategies")
+    choose_strategies_sweep(at)
     pareto, kl = figures(at)
     assert "dummy weights" in kl["layout"]["title"]["text"]
