@@ -109,7 +109,7 @@ prefix-reuse: setup ## A system prompt's KV from device, host tier, disk and rec
 ACCURACY_RESULTS ?= results/accuracy-real
 ACCURACY_BUDGETS := 102,307,512,717,922
 accuracy-real: setup ## What fp8/int8/int4, sliding and eviction cost SmolLM2-135M on ShareGPT replies (KL, top-1, ppl)
-	$(BIN)/python -m experiments.decode -m experiment=accuracy-real results_dir=$(ACCURACY_RESULTS) kv_dtype=fp8_e4m3,int8 $(ARGS)
+	$(BIN)/python -m experiments.decode -m experiment=accuracy-real results_dir=$(ACCURACY_RESULTS) kv_dtype=fp16,bf16,fp8_e4m3,fp8_e5m2,int8 $(ARGS)
 	$(BIN)/python -m experiments.decode -m experiment=accuracy-real results_dir=$(ACCURACY_RESULTS) kv_dtype=int4 kv_group_size=32,64 $(ARGS)
 	$(BIN)/python -m experiments.decode -m experiment=accuracy-real results_dir=$(ACCURACY_RESULTS) cache=sliding cache.sinks=4 \
 		cache.window=$(ACCURACY_BUDGETS) $(ARGS)

@@ -60,8 +60,8 @@ def test_the_strategies_page_on_the_references_asks_for_a_workload_and_shows_tha
     assert len(choice.options) == n_workloads
     (table,) = at.dataframe
     assert_one_workload_and_all_its_rows(table.value, reference)
-    # the default, the workload with the most treatments: cpu-accuracy-real's 29 (SmolLM2's formats, windows, policies)
-    assert len(table.value) == 29
+    # the default, the workload with the most treatments: cpu-accuracy-real's 32 (SmolLM2's formats, windows, policies)
+    assert len(table.value) == 32
     assert (table.value["dtype"] == "fp32").all() and (table.value["batch_size"] == 2).all()
 
     choice.set_value(choice.options[1]).run()  # another workload: its table alone
