@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from harness.errors import ConfigError
-from harness.serve.kv_manager import KVCacheBlocks, PagedKVManager
+from harness.serve.kv_manager import KVCacheBlocks, PagedKVManager, serving
 from harness.serve.requests import Request
 
 HOST, DISK = "host", "disk"  # harness.kv.tiers' names
@@ -96,11 +96,14 @@ def check_tiers(strategy: str, options: TierOptions) -> None:
         raise ConfigError(f"cache.disk_gb: must be a size in GB > 0, got {disk_gb!r}")
     if options.disk_dir is not None and not str(options.disk_dir).strip():
         raise ConfigError("cache.disk_dir: must be a directory path, or null for no disk tier")
-    if strategy != "prefix":
+    if not serving(strategy).shares_prefix:  # the strategy's declaration (harness.kv.base.Serving), not its name
+        from harness import kv  # here, not at the top: the bookkeeping stays torch-free
+
+        sharing = ",".join(name for name in kv.serving_names() if kv.serving(name).shares_prefix)
         for name in ("host_gb", "disk_dir"):
             if getattr(options, name) != TIER_DEFAULTS[name]:
                 raise ConfigError(
-                    f"cache.{name}: only strategy=prefix keeps evicted blocks in tiers; allowed: "
+                    f"cache.{name}: only strategy={sharing} keeps evicted blocks in tiers; allowed: "
                     f"{TIER_DEFAULTS[name] if name == 'host_gb' else 'null'} with strategy={strategy}"
                 )
 
