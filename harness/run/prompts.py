@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from harness.errors import ConfigError
-from harness.serve.dataset import HUMAN_ROLES, TOKENIZER_FILES, load_tokenizer
+from harness.serve.dataset import HUMAN_ROLES, TOKENIZER_FILES, check_vocab, load_tokenizer
 from harness.serve.sharegpt import Conversation, packaged_path, read_sharegpt
 
 log = logging.getLogger(__name__)
@@ -117,12 +117,7 @@ def make_prompts(
                          prompt_len=prompt_len, gen_len=gen_len, seed=seed, path=prompt_text)  # fmt: skip
         sha256 = hashlib.sha256(data).hexdigest()
     ids, continuation = assemble(cuts, prompt_len=prompt_len, gen_len=gen_len, prefix_len=prefix_len)
-    top = int(max(ids.max(), continuation.max()))
-    if top >= vocab_size:
-        raise ConfigError(
-            f"weights: the tokenizer gives id {top}, past the model's vocab_size={vocab_size}; allowed: a checkpoint "
-            "whose tokenizer matches its model"
-        )
+    check_vocab([*ids.tolist(), *continuation.tolist()], vocab_size=vocab_size)
     return Prompts(ids=ids, continuation=continuation, source=resolved, sha256=sha256)
 
 

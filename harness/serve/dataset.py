@@ -167,6 +167,16 @@ def drop_reason(prompt_len: int, output_len: int, *, fixed_output: bool, max_mod
     return None
 
 
+def check_vocab(prompt_ids: list[list[int]], *, vocab_size: int) -> None:
+    """A tokenizer's ids must index the model's embedding: one that is not the checkpoint's is refused here."""
+    top = max(max(ids) for ids in prompt_ids)
+    if top >= vocab_size:
+        raise ConfigError(
+            f"weights: the tokenizer gives id {top}, past the model's vocab_size={vocab_size}; allowed: a checkpoint "
+            "whose tokenizer matches its model"
+        )
+
+
 def check_tokenizer_dir(weights: str, dataset: str = "sharegpt") -> Path:
     """The checkpoint folder a dataset's text is tokenized with: `weights`, when it holds a tokenizer."""
     folder = Path(weights)

@@ -17,7 +17,7 @@ from harness.errors import ConfigError
 from harness.modeling.model import build_model
 from harness.serve.budget import KVBudget, bytes_per_block, check_pool_fits, kv_budget, predict_concurrency
 from harness.serve.config import ServeConfig
-from harness.serve.dataset import dataset_columns, load_tokenizer, sample_sharegpt
+from harness.serve.dataset import check_vocab, dataset_columns, load_tokenizer, sample_sharegpt
 from harness.serve.engine import Engine, build_cache, check_servable, serve
 from harness.serve.kv_manager import make_kv_manager, num_blocks_for, serving
 from harness.serve.metrics import request_row, run_metrics
@@ -131,16 +131,6 @@ def session_stream(cfg: ServeConfig) -> tuple[Sessions, dict]:
     columns = dataset_columns("sharegpt-multiturn", sha256=file.sha256, dropped=sessions.dropped,
                               cut_turns=sessions.cut_turns)  # fmt: skip
     return sessions, columns
-
-
-def check_vocab(prompt_ids: list[list[int]], *, vocab_size: int) -> None:
-    """A tokenizer's ids must index the model's embedding: one that is not the checkpoint's is refused here."""
-    top = max(max(ids) for ids in prompt_ids)
-    if top >= vocab_size:
-        raise ConfigError(
-            f"weights: the tokenizer gives id {top}, past the model's vocab_size={vocab_size}; allowed: a checkpoint "
-            "whose tokenizer matches its model"
-        )
 
 
 def read_text_ids(path: str) -> list[int]:
