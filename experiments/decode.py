@@ -16,13 +16,15 @@ import sys
 from pathlib import Path
 
 import hydra
+import torch
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from harness.config import RunConfig
 from harness.errors import ConfigError, exit_on_config_error
-from harness.run import runner, sweep
+from harness.measure import environment
+from harness.run import point, runner, sweep
 from harness.run.point_result import PointResult
 from harness.store import disk, summary
 
@@ -81,6 +83,28 @@ def main(cfg: DictConfig) -> dict:
     if HydraConfig.get().mode.name != "MULTIRUN":
         print(summary.format_summary(disk.load(path)))
         print(summary.next_step(directory, results_dir=run_cfg.results_dir))
+    return {"status": row["status"], "path": str(path), "point_id": row["point_id"]}
+
+
+# What the job's node would have said of itself; the submitting process that writes a killed job's row cannot.
+NODE_COLUMNS = ("cpu_model", "cpu_capability", "device_name", "device_count", "driver_version", "cuda_version")
+
+
+def record_killed_job(config: DictConfig, *, job_id: str, node: str | None, error: str) -> dict:
+    """The `oom` row of a point whose SLURM job was killed for memory before it reported anything, written by the
+    submitting process (harness.run.slurm_watch.RecordingSlurmJob), which calls it with the job's composed config.
+    The point's config columns, `error`, the job's id and node; the node's CPU and device columns are null, since
+    nothing ran there to read them. Returns what main() returns for the point."""
+    HydraConfig.instance().set_config(config)  # the config's ${hydra:...} interpolations resolve against it
+    sweep_dir = Path(config.hydra.sweep.dir)
+    task = OmegaConf.to_container(config, resolve=False)
+    del task["hydra"]  # Hydra's own node, as the job's task function never sees it (some of it is the job's alone)
+    run_cfg = RunConfig(**OmegaConf.to_container(OmegaConf.create(task), resolve=True))
+    # the environment as the CPU sees it here (no CUDA initialised in the submitting process), the node's nulled
+    row = point.config_columns(run_cfg) | environment.environment_columns(torch.device("cpu"))
+    row |= dict.fromkeys(NODE_COLUMNS) | {"host": node, "slurm_job_id": job_id, "sweep_id": sweep_dir.name}
+    row |= {"status": "oom", "error": error}
+    path = disk.write_point(row, inside_results_dir(sweep_dir, run_cfg.results_dir))
     return {"status": row["status"], "path": str(path), "point_id": row["point_id"]}
 
 

@@ -24,6 +24,7 @@ from harness import kv
 from harness.errors import ConfigError
 from harness.formats import ATTN_IMPLS, COMPILE_MODES, KV_DTYPES, KV_GROUP_SIZES
 from harness.kv.quant import PLAIN
+from harness.measure import nvml
 from harness.modeling.gguf_checkpoint import portable_weights, resolve_weights
 from harness.modeling.mla import MLA_PATHS
 from harness.modeling.model_args import ModelArgs, load_args
@@ -299,7 +300,8 @@ class RunConfig(Workload):
         )
         self.validate_workload()
         device = self.torch_device()
-        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        # through NVML: this process validates and need not hold CUDA (harness.measure.nvml.device_facts)
+        capability = nvml.device_facts(device)[1] if device.type == "cuda" else None
         check_storable("dtype", self.dtype, device, capability)
         check_storable("kv_dtype", self.kv_dtype_name, device, capability)
 

@@ -86,6 +86,37 @@ def device_handle(nvml, properties):
     )
 
 
+def device_facts(device) -> tuple[str, tuple[int, int]]:
+    """(name, compute capability) of a CUDA device, read through NVML while this process has not initialised CUDA.
+
+    A sweep's own process (a SLURM job's, or the basic launcher's) validates each point and writes its environment
+    columns before the point's worker starts: torch.cuda.get_device_name / get_device_capability would initialise
+    CUDA there (the driver's and runtime's host memory, a context), in a process that never computes on the GPU, and
+    a SLURM job counts that memory against the point's limit. NVML answers without it; torch's
+    _get_nvml_device_index maps torch's index to NVML's through CUDA_VISIBLE_DEVICES (indices or UUIDs). Once this
+    process has initialised CUDA (the worker), or where NVML cannot answer, torch's own answer."""
+    import torch
+
+    if not torch.cuda.is_initialized():
+        try:
+            nvml = load_nvml()
+            nvml.nvmlInit()
+            handle = nvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(device))
+            name = nvml.nvmlDeviceGetName(handle)
+            major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+            return (name.decode() if isinstance(name, bytes) else name), (int(major), int(minor))
+        except (ImportError, RuntimeError, *_nvml_errors_or_none()) as exc:
+            log.info("NVML cannot name the device (%s): torch's answer, which initialises CUDA", describe(exc))
+    return torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+
+
+def _nvml_errors_or_none() -> tuple[type[BaseException], ...]:
+    try:
+        return nvml_errors(load_nvml())
+    except ImportError:
+        return ()
+
+
 class NvmlSampler:
     """One GPU through NVML, sampled on a background thread every `interval_s`: device-used and this process's
     memory for the whole point; SM and memory clocks and throttle reasons only while the timed window is open

@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from harness.store import disk
@@ -66,8 +67,8 @@ def _answers(env: dict) -> bool:
     return proc.returncode == 0 and "idle" in proc.stdout
 
 
-def decode(*overrides: str, env: dict | None = None, wait: bool = True):
-    command = [sys.executable, "-m", "experiments.decode", "-m", *overrides]
+def decode(*overrides: str, env: dict | None = None, wait: bool = True, python: str = sys.executable):
+    command = [python, "-m", "experiments.decode", "-m", *overrides]
     if not wait:
         return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -163,17 +164,42 @@ def test_a_cancelled_array_reruns_only_its_missing_points(slurm_env, tmp_path):
     assert disk.load(sweep_folder).equals(cancelled)
 
 
-def test_a_point_past_its_jobs_memory_becomes_an_oom_row(slurm_env, tmp_path):
-    # The small model's fp32 weights alone (0.8 GB) pass a 1 GB job less its job process. SLURM's poll kills a
-    # job whose processes' RSS passes --mem (OverMemoryKill), which would record nothing; the worker's cap, taken
-    # from the job's memory, makes the allocation fail first.
-    proc = decode(*POINTS, "model=small", "batch_size=1", f"results_dir={tmp_path}", "hydra/launcher=slurm",
-                  *ON_THIS_NODE, "hydra.launcher.mem_gb=1", env=slurm_env)  # fmt: skip
+def torch_build(name: str) -> str:
+    """The Python of a torch build's environment beside this one: the CPU build is the suite's own (.venv), the
+    CUDA build make test-cuda-trace's (.venv-cuda), which is what `pip install torch` gives every GPU cluster."""
+    if name == "cpu":
+        return sys.executable
+    python = Path(sys.prefix).parent / ".venv-cuda" / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"{python} is absent (make .venv-cuda/.installed brings the CUDA build of torch)")
+    return str(python)
+
+
+@pytest.mark.parametrize("build", ["cpu", "cuda"])
+def test_a_point_past_its_jobs_memory_becomes_an_oom_row(slurm_env, tmp_path, build):
+    # The small model's fp32 weights alone (0.8 GB) pass a 1 GB job less its job process. Which process passes the
+    # limit first depends on the build: with the CPU one, the worker's cap (taken from the job's memory) makes its
+    # allocation fail, an `oom` row the job writes; with the CUDA one, the job process and the worker hold ~0.7 GB
+    # each before any work (torch's CUDA libraries; the README's SLURM section), so SLURM's poll kills the step
+    # first (OverMemoryKill) and the submitting process writes the row from the job's state and log. There two
+    # points: the sweep goes on past the first (the backstop off, so the second is measured), each naming its job.
+    batches = "1" if build == "cpu" else "1,2"  # the CPU build's job writes its own row: one point shows it
+    proc = decode(*POINTS, "model=small", f"batch_size={batches}", "oom_backstop=false", f"results_dir={tmp_path}",
+                  "hydra/launcher=slurm", *ON_THIS_NODE, "hydra.launcher.mem_gb=1", env=slurm_env,
+                  python=torch_build(build))  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    (row,) = disk.load(tmp_path).to_dict("records")
-    assert row["status"] == "oom", row["error"]
-    assert "SLURM job" in row["error"] and "hydra.launcher.mem_gb" in row["error"]
-    assert scontrol_job(row["slurm_job_id"], slurm_env)["JobState"] == "COMPLETED"  # the job itself ended well
+    rows = disk.load(tmp_path).sort_values("batch_size").to_dict("records")
+    assert [str(row["batch_size"]) for row in rows] == batches.split(",")
+    for row in rows:
+        assert row["status"] == "oom", row["error"]
+        assert "SLURM job" in row["error"] and "hydra.launcher.mem_gb" in row["error"], row["error"]
+        state = scontrol_job(row["slurm_job_id"], slurm_env)["JobState"]
+        if "before its point reported" in row["error"]:  # written by the submitting side: SLURM killed the job
+            assert state in ("FAILED", "OUT_OF_MEMORY", "CANCELLED"), state
+            assert pd.isna(row["device_name"]) and row["host"]  # the node's columns: unknown, its name from SLURM
+        else:  # written by the job: the worker's cap came first and the job itself ended well
+            assert state == "COMPLETED", state
+    assert len({row["slurm_job_id"] for row in rows}) == len(rows)
 
 
 def test_make_slurm_check_submits_one_point_and_reads_its_row(slurm_env, tmp_path):

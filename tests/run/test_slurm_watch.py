@@ -76,12 +76,36 @@ def test_with_accounting_sacct_alone_is_read(monkeypatch):
     assert calls == ["sacct"] and watcher.get_state("9", mode="cache") == "COMPLETED"
 
 
-def test_install_swaps_submitits_watcher_once(monkeypatch):
-    monkeypatch.setattr(SlurmJob, "watcher", SlurmJob.watcher)  # restored after the test
+def test_install_swaps_submitits_watcher_once_and_its_job_class(monkeypatch):
+    submitit_slurm = pytest.importorskip("submitit.slurm.slurm")
+    monkeypatch.setattr(SlurmJob, "watcher", SlurmJob.watcher)  # each restored after the test
+    monkeypatch.setattr(submitit_slurm, "SlurmJob", SlurmJob)
+    monkeypatch.setattr(submitit_slurm.SlurmExecutor, "job_class", SlurmJob)
     slurm_watch.install()
     installed = SlurmJob.watcher
     slurm_watch.install()
     assert isinstance(installed, slurm_watch.QueueWatcher) and SlurmJob.watcher is installed
+    # single jobs (job_class) and a job array's tasks (made by the module's name) both record memory kills
+    assert submitit_slurm.SlurmExecutor.job_class is slurm_watch.RecordingSlurmJob
+    assert submitit_slurm.SlurmJob is slurm_watch.RecordingSlurmJob
+    assert slurm_watch.RecordingSlurmJob.watcher is installed
+
+
+@pytest.mark.parametrize(
+    ("state", "log", "says"),
+    [
+        # jobacct_gather's poll (OverMemoryKill), as slurmstepd 22.05 words it: the step's RSS past --mem
+        ("FAILED", "slurmstepd-vm: error: StepId=7.0 exceeded memory limit (1206263808 > 1073741824), being killed",
+         "1.12 GiB, past the job's 1.00 GiB (state FAILED)"),
+        ("OUT_OF_MEMORY", "", "cgroup ran out of memory (state OUT_OF_MEMORY)"),  # the cgroup's own kill
+        ("FAILED", "slurmstepd: error: Detected 1 oom_kill event in StepId=3.batch", "cgroup ran out of memory"),
+        ("FAILED", "Traceback ...\nRuntimeError: boom", None),  # a job that failed otherwise: not a memory kill
+        ("CANCELLED", "", None),
+    ],
+)  # fmt: skip
+def test_a_memory_kill_is_told_from_the_jobs_state_and_log(state, log, says):
+    killed = slurm_watch.memory_kill(state, log)
+    assert (killed is None) if says is None else (says in killed)
 
 
 @pytest.mark.parametrize(
