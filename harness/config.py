@@ -300,8 +300,8 @@ class RunConfig(Workload):
         )
         self.validate_workload()
         device = self.torch_device()
-        # through NVML: this process validates and need not hold CUDA (harness.measure.nvml.device_facts)
-        capability = nvml.device_facts(device)[1] if device.type == "cuda" else None
+        # through NVML: this process validates and need not hold CUDA (harness.measure.nvml._uninitialised_handle)
+        capability = nvml.device_capability(device) if device.type == "cuda" else None
         check_storable("dtype", self.dtype, device, capability)
         check_storable("kv_dtype", self.kv_dtype_name, device, capability)
 

@@ -46,7 +46,7 @@ def environment_columns(device: torch.device) -> dict:
 def device_name(device: torch.device) -> str:
     """The marketing name: torch's for CUDA ("NVIDIA H200"), the CPU's model name otherwise."""
     if device.type == "cuda":
-        return nvml.device_facts(device)[0]  # not torch's: the sweep's own process keeps CUDA uninitialised
+        return nvml.device_name(device)  # not torch's: the sweep's own process keeps CUDA uninitialised
     return cpu_model()
 
 

@@ -86,8 +86,8 @@ def device_handle(nvml, properties):
     )
 
 
-def device_facts(device) -> tuple[str, tuple[int, int]]:
-    """(name, compute capability) of a CUDA device, read through NVML while this process has not initialised CUDA.
+def _uninitialised_handle(device):
+    """NVML's handle of a CUDA device while this process has not initialised CUDA, else None (then torch answers).
 
     A sweep's own process (a SLURM job's, or the basic launcher's) validates each point and writes its environment
     columns before the point's worker starts: torch.cuda.get_device_name / get_device_capability would initialise
@@ -97,17 +97,15 @@ def device_facts(device) -> tuple[str, tuple[int, int]]:
     process has initialised CUDA (the worker), or where NVML cannot answer, torch's own answer."""
     import torch
 
-    if not torch.cuda.is_initialized():
-        try:
-            nvml = load_nvml()
-            nvml.nvmlInit()
-            handle = nvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(device))
-            name = nvml.nvmlDeviceGetName(handle)
-            major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
-            return (name.decode() if isinstance(name, bytes) else name), (int(major), int(minor))
-        except (ImportError, RuntimeError, *_nvml_errors_or_none()) as exc:
-            log.info("NVML cannot name the device (%s): torch's answer, which initialises CUDA", describe(exc))
-    return torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+    if torch.cuda.is_initialized():
+        return None, None
+    try:
+        nvml = load_nvml()
+        nvml.nvmlInit()
+        return nvml, nvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(device))
+    except (ImportError, RuntimeError, *_nvml_errors_or_none()) as exc:
+        log.info("NVML cannot name the device (%s): torch's answer, which initialises CUDA", describe(exc))
+        return None, None
 
 
 def _nvml_errors_or_none() -> tuple[type[BaseException], ...]:
@@ -115,6 +113,28 @@ def _nvml_errors_or_none() -> tuple[type[BaseException], ...]:
         return nvml_errors(load_nvml())
     except ImportError:
         return ()
+
+
+def device_name(device) -> str:
+    """A CUDA device's name ("NVIDIA H200"), initialising no CUDA where NVML answers (_uninitialised_handle)."""
+    import torch
+
+    nvml, handle = _uninitialised_handle(device)
+    if handle is None:
+        return torch.cuda.get_device_name(device)
+    name = nvml.nvmlDeviceGetName(handle)
+    return name.decode() if isinstance(name, bytes) else name
+
+
+def device_capability(device) -> tuple[int, int]:
+    """A CUDA device's compute capability ((9, 0) for Hopper), initialising no CUDA where NVML answers."""
+    import torch
+
+    nvml, handle = _uninitialised_handle(device)
+    if handle is None:
+        return torch.cuda.get_device_capability(device)
+    major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+    return int(major), int(minor)
 
 
 class NvmlSampler:

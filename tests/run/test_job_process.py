@@ -1,7 +1,7 @@
 """A sweep's own process (a SLURM job's, or the basic launcher's) validates each point and writes its environment
 columns before the point's worker starts, and never initialises CUDA meanwhile: on a GPU node that would cost the
 job host memory (the driver's, the runtime's) and a context on the device, in a process that computes nothing there
-(harness.measure.nvml.device_facts). Here a GPU is pretended: torch.cuda says one is present, NVML is a fake that
+(harness.measure.nvml._uninitialised_handle). Here a GPU is pretended: torch.cuda says one is present, NVML is a fake that
 names it, and CUDA's initialisation raises."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from harness.run import runner
 
 
 class NamingNvml:
-    """The NVML calls device_facts makes, for one H200."""
+    """The NVML calls device_name and device_capability make, for one H200."""
 
     class NVMLError(Exception):
         pass
