@@ -14,6 +14,11 @@ Two decode paths over that latent (`path`):
               values per cached token, for all H heads at once.
 Both apply the same softmax scale (ModelArgs.softmax_scale: nope + rope, YaRN's mscale) and are equal in exact
 arithmetic.
+
+Serving (start_pos a harness.kv.varlen.SeqBatch, tokens flattened): harness.kv.varlen_latent.attend_latent writes
+every token's latent through the pool's rows, the decoding sequences attend together (absorbed: one MQA over their
+latents; naive: decompressed), and each prefill chunk decompresses its own latent and attends causally from its
+start position, the split of vLLM's MLA backends (vllm/v1/attention/backends/mla/common.py).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from harness.kv import varlen, varlen_latent
 from harness.kv.base import KVCache, attention
 from harness.modeling.model import (  # harness.modeling.model imports this module only when it builds an MLA layer
     RMSNorm,
@@ -76,6 +82,12 @@ class MLAttention(nn.Module):
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
         q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
         latent = torch.cat((c_kv, k_rope), dim=-1)  # [B, 1, T, R + P]: all the cache stores
+        if isinstance(start_pos, varlen.SeqBatch):  # serving: B = 1, T = N tokens of sequences at their own positions
+            y = varlen_latent.attend_latent(
+                cache, self.layer_index, q_nope, q_rope, latent, start_pos, absorbed=self.path == "absorbed",
+                up_weights=self._up_weights(), decompress=self._decompress, scale=self.scale,
+            )  # fmt: skip
+            return self.wo(y.transpose(1, 2).reshape(batch_size, n_new, self.n_heads * self.v_dim))
         # A prefill (T > 1) always runs decompressed: it is compute-bound, and the absorbed form's attention costs
         # H·(2R + P) multiply-adds per pair against naive's H·(2n + r) (4.25x for V2-Lite), while its decompression
         # is paid once per token. vLLM's MLA backends split the same way (vllm/v1/attention/backends/mla/common.py:
@@ -100,12 +112,17 @@ class MLAttention(nn.Module):
         y_latent = cache.attend(self.layer_index, q, latent, None, start_pos)  # [B, H, T, R]
         return torch.matmul(y_latent, w_uv.transpose(1, 2))  # [B, H, T, R] @ [H, R, v] -> [B, H, T, v]
 
-    def _naive(self, q_nope, q_rope, latent, start_pos, cache: KVCache) -> torch.Tensor:
-        latent_all, _ = cache.store_and_read(self.layer_index, latent, None, start_pos)  # [B, 1, S, R + P]
-        c_all, k_rope_all = latent_all.split([self.rank, self.rope_dim], dim=-1)
+    def _decompress(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [B, 1, S, R + P] -> K [B, H, S, nope + rope], V [B, H, S, v] through wkv_b (the naive form)."""
+        c_all, k_rope_all = latent.split([self.rank, self.rope_dim], dim=-1)
         batch_size, _, n_keys, _ = c_all.shape
         kv = self.wkv_b(c_all[:, 0]).view(batch_size, n_keys, self.n_heads, -1).transpose(1, 2)  # [B, H, S, nope+v]
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_rope_all.expand(-1, self.n_heads, -1, -1)), dim=-1)  # [B, H, S, nope + rope]
+        return k, v
+
+    def _naive(self, q_nope, q_rope, latent, start_pos, cache: KVCache) -> torch.Tensor:
+        latent_all, _ = cache.store_and_read(self.layer_index, latent, None, start_pos)  # [B, 1, S, R + P]
+        k, v = self._decompress(latent_all)
         q = torch.cat((q_nope, q_rope), dim=-1)  # [B, H, T, nope + rope]
         return attention(q, k, v, start_pos, scale=self.scale)  # [B, H, T, v]
