@@ -79,6 +79,9 @@ def stream(a: argparse.Namespace) -> tuple[list, list[list[int]], int]:
     requests = generate(spec)
     args = ModelArgs.from_name(a.model)
     check_servable(args)
+    if args.is_mla:  # the peer's checkpoint is transformers' Llama (harness.run.versus.hf_config): no MLA
+        raise ConfigError(f"--model: {args.name} is MLA, which the side-by-side's shared Llama checkpoint cannot "
+                          "hold; allowed: a model with K/V heads, or MLA through experiments.serve")  # fmt: skip
     # Each engine allocates this pool: past the device's free memory it is one line, not the OOM killer.
     pool_bytes = a.num_blocks * a.block_size * kv_bytes_per_token(a.model, a.dtype)
     check_pool_fits(pool_bytes, field="--num-blocks", device=a.device)

@@ -21,7 +21,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from harness.errors import Unsupported
 from harness.kv import varlen
 from harness.kv.base import KVCache
 from harness.modeling.model_args import ModelArgs
@@ -232,11 +231,6 @@ class Transformer(nn.Module):
         self, tokens: torch.Tensor, batch: varlen.SeqBatch, cache: KVCache, last_only: bool
     ) -> torch.Tensor:
         assert tokens.shape == (1, batch.n_tokens), f"tokens {tuple(tokens.shape)} for a batch of {batch.n_tokens}"
-        if self.args.is_mla:
-            raise Unsupported(
-                "per-sequence lengths: MLA's latent cache is read by the batch-wide paths only (harness.modeling.mla); "
-                "allowed: a batch whose sequences move in step (experiments.decode)"
-            )
         assert max(batch.ends) <= self.n_positions, (
             f"positions up to {max(batch.ends)} asked, RoPE tables hold {self.n_positions}: call setup_rope"
         )

@@ -43,14 +43,15 @@ from harness.serve.scheduler import Scheduler, SchedulerOutput
 SERVE_KV_DTYPES = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8")  # per-token formats (not int4)
 
 
-def check_servable(args) -> None:
-    """Serving's per-sequence attention (harness.kv.varlen) reads K/V heads: an MLA model (its one latent row per
-    token, harness.modeling.mla) is a one-line ConfigError before anything is built, not an Unsupported mid-run."""
-    if args.is_mla:
-        raise ConfigError(
-            f"model: {args.name} is MLA, whose latent cache serving cannot read yet (its per-sequence attention "
-            "takes K/V heads); allowed: a model with K/V heads (GQA, MQA or MHA), or MLA through experiments.decode"
-        )
+def check_servable(args, *, attn_impl: str = "sdpa", windowed: bool = False) -> None:
+    """What serving's per-sequence attention cannot run for this model, one ConfigError line before anything is
+    built, not an Unsupported mid-run: MLA's latent (harness.kv.varlen_latent) is read by SDPA only, and without a
+    window."""
+    if args.is_mla and attn_impl != "sdpa":
+        raise ConfigError(f"attn_impl: {args.name} is MLA, whose served latent attention runs SDPA only; allowed: sdpa")
+    if args.is_mla and windowed:
+        raise ConfigError(f"strategy: {args.name} is MLA, whose served latent attention reads no sliding window; "
+                          "allowed: contiguous, paged")  # fmt: skip
 
 
 def build_cache(

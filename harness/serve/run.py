@@ -73,7 +73,7 @@ def plan(cfg: ServeConfig) -> Plan:
         requests = generate(spec)
     # The planner's workload: the paged layout prices a block (every strategy's pool is one of blocks here).
     paged = cfg.workload(kv_dtype=kv_dtype, cache={"name": "paged", "block_size": cfg.block_size})
-    check_servable(paged.model_args())
+    check_servable(paged.model_args(), attn_impl=cfg.attn_impl, windowed=served.windowed)
     if prompt_ids is not None:
         check_vocab(prompt_ids, vocab_size=paged.model_args().vocab_size)
     knobs = dict(max_model_len=cfg.max_model_len, device=device, max_num_batched_tokens=cfg.max_num_batched_tokens,

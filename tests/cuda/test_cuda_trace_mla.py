@@ -1,5 +1,6 @@
 """Fake CUDA (see tests/cuda/test_cuda_trace.py): a generation of an MLA model traced on device="cuda" with no GPU, both
-decode paths, in contiguous and paged, bf16 and fp8, at DeepSeek-V2-Lite's and V3's attention shapes (2 layers).
+decode paths, in contiguous and paged, bf16 and fp8, at DeepSeek-V2-Lite's and V3's attention shapes (2 layers); and
+one serving forward (decodes and a prefill chunk flattened) over the pool the serving engine builds.
 
 It catches host syncs inside a decode step, device mismatches, wrong shapes, a latent cache that reaches for the
 in-place kernels (they read a V buffer the latent has not got), and one that allocates other than L x B x S x (R + P)
@@ -27,6 +28,7 @@ from tests.cuda.test_cuda_trace import (
     FakeEvent,
     FakeStream,
     FakeTimer,
+    HostSyncs,
     _is_cuda_build,
     watched_step,
 )
@@ -100,3 +102,33 @@ def test_an_mla_generation_traces_on_fake_cuda_without_host_syncs(fake_cuda, pre
         latent = args.kv_lora_rank + args.qk_rope_head_dim
         scale_bytes = 4 if kv_dtype == "fp8_e4m3" else 0  # one fp32 scale per token for K alone
         assert cache.kv_bytes_allocated() == LAYERS * rows * (latent * BITS[kv_dtype] // 8 + scale_bytes)
+
+
+SERVE_POINTS = [(c, k) for c in ("contiguous", "paged") for k in ("bf16", "fp8_e4m3", "int8")]
+
+
+@pytest.mark.parametrize(("cache_name", "kv_dtype"), SERVE_POINTS, ids=["-".join(p) for p in SERVE_POINTS])
+@pytest.mark.parametrize("mla_path", ["absorbed", "naive"])
+def test_an_mla_serving_forward_traces_on_fake_cuda_without_a_host_sync(fake_cuda, mla_path, cache_name, kv_dtype):
+    """One serving iteration of an MLA model (harness.modeling.mla.MLAttention._attend_varlen) through the pool the
+    engine builds: three decodes at their own positions and a prefill chunk mid-prompt, flattened, at V2-Lite's
+    attention shapes; as tests/cuda/test_cuda_trace_forward.py's serving forward for K/V heads."""
+    from harness.kv.varlen import SeqBatch
+    from harness.serve.engine import build_cache
+
+    args = dataclasses.replace(ModelArgs.from_name("deepseek-v2-lite"), n_layers=LAYERS)
+    starts, n_new = (37, 20, 9, 16), (1, 1, 1, 24)  # three decodes, one chunk of positions 16..39
+    with fake_cuda:
+        model = fake_model(args, mla_path)
+        cache, num_slots = build_cache(cache_name, args, kv_dtype=kv_dtype, num_blocks=16, block_size=BLOCK_SIZE,
+                                       max_model_len=PROMPT_LEN + GEN_LEN, device=CUDA, dtype="bf16")  # fmt: skip
+        tables = tuple(tuple(range(i * 3, i * 3 + 3)) for i in range(4)) if num_slots is None else ()
+        batch = SeqBatch(slots=(0, 1, 2, 3) if num_slots else (0,) * 4, start_pos=starts, n_new=n_new,
+                         block_tables=tables)  # fmt: skip
+        tokens = torch.zeros((1, sum(n_new)), dtype=torch.long).to(CUDA, non_blocking=True)
+        syncs = HostSyncs()
+        with syncs:
+            logits = model(tokens, batch, cache, last_only=True)
+        assert syncs.found == [], f"host syncs inside a serving forward: {sorted(set(syncs.found))}"
+        assert logits.shape == (1, 4, args.vocab_size) and logits.device.type == "cuda"
+        assert "v" not in cache.format.sides  # the latent alone: no V pool to read

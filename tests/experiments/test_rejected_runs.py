@@ -33,7 +33,11 @@ def last_line(result: subprocess.CompletedProcess) -> str:
         ("experiments.decode", ["-m", "dtype=fp32,fp64"], "dtype=fp64]: dtype: unknown value"),
         ("experiments.serve", [*SERVE_TINY, "tpot_slo_ms=fast"], "tpot_slo_ms: 'fast' is not a duration"),
         ("experiments.serve", ["-m", *SERVE_TINY, "tpot_slo_ms=fast,1s"], "tpot_slo_ms: 'fast' is not a duration"),
-        ("experiments.serve", [*SERVE_TINY, "model=mla-tiny"], "model: mla-tiny is MLA"),
+        (
+            "experiments.serve",
+            [*SERVE_TINY, "model=mla-tiny", "strategy=sliding", "sliding_window=8"],
+            "strategy: mla-tiny is MLA",
+        ),
         ("experiments.serve", [*SERVE_TINY, "dataset=sharegpt"], "dataset: sharegpt needs a tokenizer"),
         ("experiments.serve", [*SERVE_TINY, "dataset=sharegpt-multiturn", "max_turns=0"], "max_turns: must be an"),
         ("experiments.serve", [*SERVE_TINY, "dataset=sharegpt-multiturn", "think_time_s=-1"], "think_time_s: must"),

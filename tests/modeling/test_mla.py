@@ -276,12 +276,25 @@ def test_mla_path_is_validated_and_only_for_mla_models() -> None:
         Workload(model={"name": "tiny"}, mla_path="naive")
 
 
-def test_per_sequence_lengths_are_refused_for_mla_in_one_line() -> None:
-    from harness.errors import Unsupported
+@pytest.mark.parametrize("path", ["absorbed", "naive"])
+def test_a_flattened_forward_over_the_latent_equals_the_static_batch(path) -> None:
+    """Serving's per-sequence lengths (harness.kv.varlen.SeqBatch) over a contiguous latent cache: a static batch
+    written as a SeqBatch gives the static path's logits, prefill then decode steps."""
     from harness.kv.varlen import SeqBatch
 
     args = ModelArgs.from_name("mla-tiny")
-    model = build_model(args, dtype=torch.float32, device=CPU, seed=0, n_positions=32)
-    batch = SeqBatch.uniform(batch_size=BATCH_SIZE, start_pos=0, n_new=4)
-    with pytest.raises(Unsupported, match=r"^per-sequence lengths: MLA's latent cache .*allowed: "):
-        model(torch.zeros((1, batch.n_tokens), dtype=torch.long), start_pos=batch, cache=make_cache(args))
+    model = build_model(args, dtype=torch.float32, device=CPU, seed=0, n_positions=32, mla_path=path)
+    tokens = torch.randint(
+        0, args.vocab_size, (BATCH_SIZE, PROMPT_LEN + DECODE_STEPS), generator=torch.Generator().manual_seed(0)
+    )
+    static, flat = make_cache(args), make_cache(args)
+    expected = prefill_then_decode(model, tokens, static)  # [B, T, V]
+    with torch.inference_mode():
+        batch = SeqBatch.uniform(batch_size=BATCH_SIZE, start_pos=0, n_new=PROMPT_LEN)
+        steps = [
+            model(tokens[:, :PROMPT_LEN].reshape(1, -1), start_pos=batch, cache=flat).view(BATCH_SIZE, PROMPT_LEN, -1)
+        ]
+        for t in range(PROMPT_LEN, tokens.shape[1]):
+            batch = SeqBatch.uniform(batch_size=BATCH_SIZE, start_pos=t, n_new=1)
+            steps.append(model(tokens[:, t].reshape(1, -1), start_pos=batch, cache=flat).view(BATCH_SIZE, 1, -1))
+    torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=1e-5, rtol=1e-5)

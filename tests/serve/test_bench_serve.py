@@ -41,5 +41,5 @@ def test_an_mla_model_is_refused_in_one_line_before_any_engine_is_built(tmp_path
     with pytest.raises(SystemExit) as exit_info:
         bench_serve.main(["--model", "mla-tiny", "--results-dir", str(tmp_path)])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.startswith("kvbench: bad config: model: mla-tiny is MLA")
+    assert capsys.readouterr().err.startswith("kvbench: bad config: --model: mla-tiny is MLA")
     assert list(tmp_path.iterdir()) == []
