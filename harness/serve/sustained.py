@@ -18,17 +18,18 @@ and under a loose SLO their p99 TTFT can stay inside it, so a knee read off the 
    the arrivals' span and the ratio is 1 (up to the latency's jitter, milliseconds against the window's seconds). A
    saturated one finishes at its own capacity mu < lambda, its queue and latency growing through the run: the
    completions spread over a longer span and achieved / offered = mu / lambda. The offered rate is the window's
-   own arrivals, not the configured qps, so that a Poisson stream's sampling noise (a 48-request window is
-   +-14% off its qps) cannot fail a healthy server; `qps` stays in the row beside it. An achieved rate more than 5%
+   own arrivals, not the configured qps, so that a Poisson stream's sampling noise (a 48-request window's rate is
+   about 1/sqrt(47) = 15% off its qps, one sigma) cannot fail a healthy server; `qps` stays in the row beside it. An achieved rate more than 5%
    *above* the offered one fails too: a server catching up on a backlog is not in a steady state either.
 2. **Attainment.** At least `slo_attainment` (default 0.9) of the window's requests met every SLO the run set:
-   DistServe's SLO attainment (Zhong et al., OSDI 2024, section 2: goodput is the highest rate at which 90% of
-   requests meet both TTFT and TPOT SLOs), with vLLM's goodput rule for meeting one (`vllm bench serve
-   --goodput`, vllm/benchmarks/serve.py `calculate_metrics`: value <= SLO, a one-token output's TPOT 0). A run
-   with no SLO has no attainment (null) and is judged on its rate alone.
+   DistServe's SLO attainment (Zhong et al., OSDI 2024, whose goodput is the highest request rate served with the
+   attainment goal met, "say, 90%", of requests within both the TTFT and TPOT SLOs), with vLLM's rule for meeting
+   one (`vllm bench serve --goodput`, vllm/benchmarks/serve.py `calculate_metrics`: slo >= value, a one-token
+   output's TPOT 0). A run with no SLO has no attainment (null) and is judged on its rate alone.
 
-vLLM's own request_throughput (completed / benchmark duration) is over the whole run, warm-up and drain included,
-and compared with nothing; the run row keeps it beside these.
+vLLM's own figures are rates over the whole run, warm-up and drain included, compared with nothing:
+request_throughput = completed / duration and request_goodput = good completed / duration (vLLM's goodput is that
+rate of good requests, not DistServe's highest rate meeting the goal). The run row keeps both beside these.
 
 qps=inf (every request at t = 0) offers no rate: its window has no length and it is never sustained, its reason
 says so, and its other figures stand. A chat session's later turns arrive when earlier ones finish (a closed loop,
