@@ -20,8 +20,8 @@ engine), the runs' qps points make a curve, and from it:
 
 Runs at qps=inf (all requests at t = 0) are a burst, not a rate: they are left out of the curve. A run row written
 before the sustained verdict has it recomputed from its request rows (harness.serve.rows.read_run_table); without
-them it is unknown, which is not sustained, and the refusal says so. Torch-free (pandas
-and pyarrow), so that the dashboard can read a sweep without the model; fleet() alone imports the planner's module.
+them it is unknown, which is not sustained, and the refusal says so. Torch-free (pandas and pyarrow), so that the
+dashboard can read a sweep without the model; fleet() alone imports the planner's module.
 """
 
 from __future__ import annotations
