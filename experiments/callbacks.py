@@ -150,8 +150,9 @@ class SweepProgress(Callback):
 
 class ServeSweepSummary(Callback):
     """At the end of an experiments.serve multirun: each run's measured concurrency beside the planner's, its
-    throughput and TTFT; then, for a qps sweep with a ttft_slo_ms (experiment=serve-qps), each strategy's knee, the
-    highest qps whose p99 TTFT stays within the SLO (harness.serve.fleet)."""
+    throughput, TTFT and whether it sustained its rate; then, for a qps sweep with a ttft_slo_ms (experiment=serve-qps),
+    each strategy's knee, the highest qps whose p99 TTFT stays within the SLO, every point up to it sustained
+    (harness.serve.fleet)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from harness.serve import fleet  # the decode app never pays for it
@@ -164,7 +165,7 @@ class ServeSweepSummary(Callback):
             return
         columns = ["strategy", "kv_dtype", "qps", "max_running_requests", "predicted_max_running",
                    "max_concurrent_requests", "total_preemptions", "output_throughput", "median_ttft_ms",
-                   "prefix_hit_rate"]  # fmt: skip
+                   "prefix_hit_rate", "achieved_qps", "sustained"]  # fmt: skip
         table = frame[columns].rename(columns={"max_running_requests": "max running (measured)",
                                                "predicted_max_running": "(predicted)",
                                                "max_concurrent_requests": "max in flight"})  # fmt: skip

@@ -14,8 +14,9 @@ planner's prediction, gallops up or down to bracket the frontier, then bisects u
 max batch; the planner must land within one step of it. Rows go to <results_dir>/capacity/frontier-<time>.parquet.
 
 fleet: how many replicas each strategy needs to serve target_qps within a p99 TTFT SLO, from the knees of a serving
-sweep's curves (the newest sweep under <results_dir>/serve, or sweep_id's), beside the concurrency Little's law
-predicts for them (harness.serve.fleet). The table goes to <results_dir>/capacity/fleet-<time>.parquet.
+sweep's curves (the newest sweep under <results_dir>/serve, or sweep_id's; a knee stands only on runs that
+sustained their rate, harness.serve.sustained), beside the concurrency Little's law predicts for them
+(harness.serve.fleet). The table goes to <results_dir>/capacity/fleet-<time>.parquet.
 
 What this found here (2 CPU cores, small preset, bf16, 1.5 GiB, gen_len 2; 3.5 minutes): measured frontier =
 predicted max batch at every context, 39 / 9 / 2 at 512 / 2048 / 8192 tokens, two probes each.

@@ -1,6 +1,7 @@
 """Serving: the KV cache as a serving resource (issue #16). The runs found, the KV pool of one run against time,
-latency CDFs, throughput and p99 TTFT against qps with the knee, goodput, the planner's concurrency beside the
-measured one, and for chat sessions (dataset=sharegpt-multiturn) TTFT and the prefix hit rate by turn.
+latency CDFs, throughput and p99 TTFT against qps with the sustained knee (hollow: a rate not sustained, issue
+#30), goodput, the planner's concurrency beside the measured one, and for chat sessions (dataset=sharegpt-multiturn)
+TTFT and the prefix hit rate by turn.
 
 Serving runs are not point rows: they live in <results folder>/serve/<run_id>/ (dashboard/serve_data.py), so this
 page ignores the sidebar's row filters and reads the same folders.
@@ -30,6 +31,7 @@ TABLE_COLUMNS = [
     "run_id", "sweep_id", "engine", "strategy", "kv_dtype", "model", "device", "qps", serve_data.FINISHED,
     serve_data.STATUS, serve_data.STARTED_AT, serve_data.REQUESTS_WRITTEN, "completed", "duration_s",
     "request_throughput", "output_throughput", "request_goodput", "ttft_slo_ms", "p99_ttft_ms", "p99_tpot_ms",
+    "window_offered_qps", "achieved_qps", "slo_attainment", "sustained", "not_sustained_reason",
     "max_running_requests", "predicted_max_running", "max_concurrent_requests", "total_preemptions",
     "peak_kv_utilization", serve_data.SOURCE,
 ]  # fmt: skip
@@ -103,11 +105,19 @@ slo_ms = st.number_input(
     value=default_ttft_slo_ms(in_sweep),
     step=10.0,
     placeholder="no SLO recorded: type one, e.g. 200",
-    help="Marks each line's knee: the highest qps whose p99 TTFT stays at or under it (harness.serve.metrics.knee). "
-    "Default: the runs' ttft_slo_ms.",
+    help="Marks each line's knee: the highest qps whose p99 TTFT stays at or under it, every point up to it "
+    "sustained (harness.serve.metrics.knee). Default: the runs' ttft_slo_ms.",
     key="serving_slo_ms",
 )
 plot("throughput and p99 TTFT against qps", qps_curves, in_sweep, slo_ms=slo_ms or None)
+st.caption(
+    "A run sustained its qps when, over its measured window (the arrivals with the first and last 10% of requests "
+    "cut: warm-up and drain), it finished requests within 5% of the rate they arrived and at least slo_attainment "
+    "(0.9) of them met every SLO it set (harness.serve.sustained; DistServe's attainment, vLLM's goodput rule). A "
+    "finite stream lets a saturated server finish inside a loose SLO: such a point is hollow, its reason in the "
+    "hover and the table's not_sustained_reason, and the knee stands on solid points only. A run recorded before "
+    "the verdict has it recomputed from its request rows."
+)
 plot("goodput against qps", goodput_vs_qps, in_sweep)
 
 st.subheader("The planner, checked")

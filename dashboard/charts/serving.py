@@ -30,6 +30,9 @@ LATENCIES = {  # request-row column: (its name in a title, the axis title)
     "e2el_ms": ("E2E latency", "end-to-end latency (ms)"),
 }
 QPS_TITLE = "offered load (requests/s)"
+# A point that did not sustain its rate (harness.serve.sustained) is drawn hollow: the knee never stands on one.
+SUSTAINED_SYMBOL, NOT_SUSTAINED_SYMBOL = "circle", "circle-open"
+NOT_SUSTAINED_NOTE = "hollow: the run did not sustain its rate (hover for why); the knee stands on solid points only"
 PREDICTED, MEASURED = "predicted (planner)", "measured"
 
 
@@ -214,10 +217,50 @@ def _not_drawn_note(fig: go.Figure, runs: pd.DataFrame) -> None:
         )
 
 
+def _sustained(group: pd.DataFrame) -> tuple[np.ndarray, list[str]]:
+    """Per point, whether it sustained its rate (the run row's `sustained`; null or absent: unknown, which is not)
+    and its hover line: the achieved rate beside the offered one, or why it is not sustained."""
+    held = (numbers(group, "sustained") == 1.0).to_numpy()
+    achieved, offered = numbers(group, "achieved_qps"), numbers(group, "window_offered_qps")
+    reasons = texts(group, "not_sustained_reason")
+    lines = []
+    for ok, got, asked, why in zip(held, achieved, offered, reasons, strict=True):
+        rate = f"achieved {got:.3g} of {asked:.3g} req/s offered in the window" if math.isfinite(got) else ""
+        if ok:
+            lines.append(f"sustained: {rate}")
+        else:
+            lines.append("not sustained: " + (why if why != "-" else "unknown (no verdict recorded)"))
+    return held, lines
+
+
+def _point_style(group: pd.DataFrame, i: int) -> dict:
+    """A line's markers, solid where the run sustained its rate and hollow where not, with the reason in the hover."""
+    held, lines = _sustained(group)
+    symbols = [SUSTAINED_SYMBOL if ok else NOT_SUSTAINED_SYMBOL for ok in held]
+    return dict(
+        mode="lines+markers",
+        line=dict(color=colour(i)),
+        marker=dict(symbol=symbols, size=9, color=colour(i)),
+        customdata=lines,
+        hovertemplate="qps %{x:g}: %{y:.4g}<br>%{customdata}",
+    )
+
+
+def _hollow_note(fig: go.Figure, drawn: pd.DataFrame) -> None:
+    """Say what a hollow marker means, when any point drawn is one (a note, not a legend entry with no point)."""
+    if (numbers(drawn, "sustained") == 1.0).all():
+        return
+    fig.add_annotation(
+        text=NOT_SUSTAINED_NOTE, x=0, y=-0.26, xref="paper", yref="paper", showarrow=False, xanchor="left"
+    )
+
+
 def qps_curves(runs: pd.DataFrame, *, slo_ms: float | None = None) -> go.Figure:
     """Output throughput (tok/s, top) and p99 TTFT (ms, bottom) against the offered qps, one line per treatment
     (line_labels), with the TTFT SLO as a dashed line and each line's knee marked: the highest qps whose p99 TTFT
-    stays at or under slo_ms (harness.serve.metrics.knee, over the finite qps drawn). No slo_ms: no knee."""
+    stays at or under slo_ms, every point up to it sustained (harness.serve.metrics.knee over the finite qps drawn;
+    harness.serve.sustained). A point that did not sustain its rate is hollow, its reason in the hover. No slo_ms:
+    no knee."""
     _require_finished(runs, ["qps", "output_throughput", "p99_ttft_ms"])
     title = "Throughput and p99 TTFT against offered load"
     points = _finished(runs, ["qps", "output_throughput"])
@@ -229,14 +272,15 @@ def qps_curves(runs: pd.DataFrame, *, slo_ms: float | None = None) -> go.Figure:
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08)
     unmet = []
     for i, (line, group) in enumerate(drawn.groupby("_line", sort=True)):
-        style = dict(mode="lines+markers", line=dict(color=colour(i)), legendgroup=line)
+        style = _point_style(group, i) | dict(legendgroup=line)
         throughput = go.Scatter(x=group["_qps"], y=numbers(group, "output_throughput"), name=line, **style)
         fig.add_trace(throughput, row=1, col=1)
         p99 = numbers(group, "p99_ttft_ms")
         fig.add_trace(go.Scatter(x=group["_qps"], y=p99, name=line, showlegend=False, **style), row=2, col=1)
         if slo_ms is None:
             continue
-        knee_qps = knee(pd.DataFrame({"qps": group["_qps"], "p99_ttft_ms": p99}), slo_ms)
+        held, _ = _sustained(group)
+        knee_qps = knee(pd.DataFrame({"qps": group["_qps"], "p99_ttft_ms": p99, "sustained": held}), slo_ms)
         if knee_qps is None:
             unmet.append(line)
             continue
@@ -270,7 +314,7 @@ def qps_curves(runs: pd.DataFrame, *, slo_ms: float | None = None) -> go.Figure:
         )
         for j, line in enumerate(unmet):
             fig.add_annotation(
-                text=f"{line}: p99 TTFT over the SLO from the lowest qps (no knee)",
+                text=f"{line}: the lowest qps already over the SLO or not sustained (no knee)",
                 x=0,
                 y=1.06 + 0.05 * j,
                 xref="paper",
@@ -278,6 +322,7 @@ def qps_curves(runs: pd.DataFrame, *, slo_ms: float | None = None) -> go.Figure:
                 showarrow=False,
                 xanchor="left",
             )
+    _hollow_note(fig, drawn)
     _not_drawn_note(fig, points)
     fig.update_layout(title_text=title)
     fig.update_xaxes(type="log", row=1, col=1)
@@ -289,7 +334,7 @@ def qps_curves(runs: pd.DataFrame, *, slo_ms: float | None = None) -> go.Figure:
 
 def goodput_vs_qps(runs: pd.DataFrame) -> go.Figure:
     """Goodput (requests/s that met every SLO of the run) against the offered qps, one line per treatment; the SLOs
-    it counted are in the title."""
+    it counted are in the title. A point that did not sustain its rate is hollow, as in qps_curves."""
     _require_finished(runs, ["qps", "request_goodput"])
     points = _finished(runs, ["qps", "request_goodput"])
     drawn = points[np.isfinite(points["_qps"].to_numpy())]
@@ -305,11 +350,11 @@ def goodput_vs_qps(runs: pd.DataFrame) -> go.Figure:
             go.Scatter(
                 x=group["_qps"],
                 y=numbers(group, "request_goodput"),
-                mode="lines+markers",
                 name=line,
-                line=dict(color=colour(i)),
+                **_point_style(group, i),
             )
         )
+    _hollow_note(fig, drawn)
     _not_drawn_note(fig, points)
     fig.update_layout(
         title_text=title,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from harness.serve.dataset import DROP_REASONS
 from harness.serve.metrics import LATENCY_METRICS
+from harness.serve.sustained import SUSTAINED_COLUMNS
 from harness.store.schema import Column
 
 _LATENCY_NAMES = {"ttft": "time to first token", "tpot": "time per output token", "itl": "inter-token latency"}
@@ -97,6 +98,32 @@ ITERATION_COLUMNS: tuple[Column, ...] = (
     ),
 )
 
+# Whether the run sustained its offered rate (harness.serve.sustained, issue #30): nullable, since a row written
+# before them whose request rows cannot be read has no verdict (rows.read_run_table recomputes it otherwise).
+_WINDOW = "the window (arrival ranks k..n-1-k, k = 10% of n: warm-up and drain cut)"
+SUSTAINED_RUN_COLUMNS: tuple[Column, ...] = (
+    Column("window_start_s", "float64", "s", f"Start of {_WINDOW}: the k-th arrival, engine clock; null: too few"),
+    Column("window_end_s", "float64", "s", "End of the window: the (n-1-k)-th arrival, engine clock; null: too few"),
+    Column("window_requests", "int64", "", "Requests in the window, n - 2k: those its attainment counts"),
+    Column("window_offered_qps", "float64", "req/s", "Arrivals in the window / its length; null: qps=inf (no length)"),
+    Column(
+        "achieved_qps",
+        "float64",
+        "req/s",
+        "The same count of completions (ranks k..n-1-k by finish) / their span; null: qps=inf",
+    ),
+    Column("slo_attainment", "float64", "", "Of the window's requests, those meeting every SLO set; null: no SLO"),
+    Column("slo_attainment_target", "float64", "", "The attainment a sustained run needs (slo_attainment config)"),
+    Column(
+        "sustained",
+        "bool",
+        "",
+        "achieved_qps within 5% of window_offered_qps and slo_attainment >= its target: a knee point; null: unknown",
+    ),
+    Column("not_sustained_reason", "string", "", "Why the run is not sustained; null: sustained"),
+)
+assert tuple(column.name for column in SUSTAINED_RUN_COLUMNS) == SUSTAINED_COLUMNS
+
 # The run row: metrics.run_metrics' keys, plus run_id and config_json, then what the run was (RUN_CONTEXT), so that
 # runs compare without parsing config_json. Its p<P>_<metric>_ms columns follow the percentiles the run asked for,
 # so they are added per row (float64, nullable: rows.run_schema) rather than fixed here.
@@ -113,6 +140,7 @@ RUN_COLUMNS: tuple[Column, ...] = (
         Column(f"{m}_slo_ms", "float64", "ms", f"The run's {m.upper()} SLO; null: none")
         for m in ("ttft", "tpot", "e2el")
     ),
+    *SUSTAINED_RUN_COLUMNS,
     _required("output_throughput", "float64", "tok/s", "total_output_tokens / duration_s"),
     _required("total_token_throughput", "float64", "tok/s", "(total_input_tokens + total_output_tokens) / duration_s"),
     *(
@@ -237,10 +265,22 @@ KNEE_ROW_COLUMNS: tuple[Column, ...] = (
     Column("engine", "string", "", "kvbench or the peer (the curve's)"),
     Column("status", "string", "", "knee, not_reached, below_lowest or no_points (harness.serve.fleet.KNEE_STATUSES)"),
     Column("num_points", "int64", "", "Runs at a finite qps"),
+    Column("num_sustained", "int64", "", "Of them, those that sustained their rate (the run rows' sustained)"),
     Column("min_qps", "float64", "req/s", "Lowest arrival rate of the curve"),
     Column("max_qps", "float64", "req/s", "Highest arrival rate of the curve"),
     Column("ttft_slo_ms", "float64", "ms", "The TTFT SLO the knee is found under"),
-    Column("knee_qps", "float64", "req/s", "Measured: the highest qps whose p99 TTFT stays within the SLO"),
+    Column(
+        "knee_qps",
+        "float64",
+        "req/s",
+        "Measured: the highest qps whose p99 TTFT stays within the SLO, every point up to it sustained",
+    ),
+    Column(
+        "refused_reason",
+        "string",
+        "",
+        "Why the first qps above the knee (the lowest, with none) is refused: over the SLO, or not sustained and why",
+    ),
     Column("knee_p99_ttft_ms", "float64", "ms", "The knee run's p99 TTFT"),
     Column("knee_request_throughput", "float64", "req/s", "The knee run's request_throughput"),
     Column("knee_output_throughput", "float64", "tok/s", "The knee run's output_throughput"),

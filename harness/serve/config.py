@@ -20,6 +20,7 @@ from harness.serve.kv_manager import check_window, serving
 from harness.serve.metrics import parse_slo_ms
 from harness.serve.multiturn import check_session_knobs
 from harness.serve.scheduler import SchedulerConfig
+from harness.serve.sustained import DEFAULT_SLO_ATTAINMENT, check_slo_attainment
 from harness.serve.tiered import check_tiers, split_tiers
 
 # Workload fields a serving run does not take: the stream sets the batch, the engine runs SDPA on a float or
@@ -92,6 +93,7 @@ class ServeConfig(Workload):
     # SLOs with a unit ("500ms", "2s"): goodput counts the requests meeting all of them
     ttft_slo_ms: str | None = None
     tpot_slo_ms: str | None = None
+    slo_attainment: float = DEFAULT_SLO_ATTAINMENT  # a sustained run's share of requests within the SLOs (sustained.py)
     percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0])
     warmup: bool = True  # one forward before the clock starts (first-call costs: allocator, oneDNN, kernels)
     results_dir: str = "results"
@@ -129,6 +131,7 @@ class ServeConfig(Workload):
         device_type(self.device)
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             parse_slo_ms(getattr(self, name), name)
+        check_slo_attainment(self.slo_attainment)
 
     def check_dataset(self) -> None:
         """dataset and what goes with it: a dataset's prompts come whole from its text, so the knobs that make or
@@ -170,6 +173,8 @@ class ServeConfig(Workload):
         if self.dataset != "sharegpt-multiturn":  # so a sharegpt run's keys stay those recorded before sessions
             for name in SESSION_FIELDS:
                 del out[name]
+        if self.slo_attainment == DEFAULT_SLO_ATTAINMENT:  # the run row's slo_attainment_target records it anyway
+            del out["slo_attainment"]  # so a run at the default keeps the keys recorded before it existed
         out["model"] = asdict(self.model) if not isinstance(self.model, dict) else self.model
         if self.tier_options.enabled:  # a run without tiers keeps the keys recorded before them
             out["cache"] = self.tier_options.as_dict()

@@ -5,7 +5,10 @@ A sweep is the serving runs that share a sweep_id, each one run.parquet under <r
 (harness.serve.rows); a run killed midway has no run.parquet and is not one of them. Per (strategy, kv_dtype,
 engine), the runs' qps points make a curve, and from it:
 
-    knee_qps       measured    the highest qps whose p99 TTFT stays within the SLO (harness.serve.metrics.knee)
+    knee_qps       measured    the highest qps whose p99 TTFT stays within the SLO, every point up to it sustained
+                               (harness.serve.metrics.knee; harness.serve.sustained: the achieved rate within 5% of
+                               the offered one over the measured window, the run's SLO attainment met): a finite
+                               stream lets a saturated server finish inside a loose SLO, and such a point is no knee
     replicas       measured    ceil(target_qps / knee_qps): replicas each loaded at or below the knee
                                (harness.serve.budget.replicas_needed)
     predicted_concurrency      target_qps x the knee run's mean E2E latency: the requests in flight across the fleet,
@@ -15,8 +18,10 @@ engine), the runs' qps points make a curve, and from it:
                                should not exceed it. The knee run's max_running_requests (queueing left out) is shown
                                too: what the replica's KV pool held at once
 
-Runs at qps=inf (all requests at t = 0) are a burst, not a rate: they are left out of the curve. Torch-free (pandas
-and pyarrow), so that the dashboard can read a sweep without the model; fleet() alone imports the planner's module.
+Runs at qps=inf (all requests at t = 0) are a burst, not a rate: they are left out of the curve. A run row written
+before the sustained verdict has it recomputed from its request rows (harness.serve.rows.read_run_table); without
+them it is unknown, which is not sustained, and the refusal says so. Torch-free (pandas and pyarrow), so that the
+dashboard can read a sweep without the model; fleet() alone imports the planner's module.
 """
 
 from __future__ import annotations
@@ -44,9 +49,10 @@ KNEE_METRIC = "p99_ttft_ms"  # issue #16 item 8: "the highest qps whose TTFT p99
 # its text sorts as its time does; the sweep_id's own text may not (a prefix such as "bench-" sorts after digits).
 _SWEEP_STAMP = re.compile(r"\d{8}-\d{6}")
 
-# What a curve's knee is, when it has one: "knee", a point above it broke the SLO; "not_reached", every point met
-# the SLO, so the knee is at least the highest qps measured (and replicas at most what is shown); "below_lowest",
-# even the lowest qps broke it (no knee, no replica count: sweep lower rates); "no_points", qps=inf runs only.
+# What a curve's knee is, when it has one: "knee", a point above it broke the SLO or was not sustained (its
+# refused_reason says which); "not_reached", every point met the SLO and was sustained, so the knee is at least the
+# highest qps measured (and replicas at most what is shown); "below_lowest", even the lowest qps broke it or was not
+# sustained (no knee, no replica count: sweep lower rates); "no_points", qps=inf runs only.
 KNEE_STATUSES = ("knee", "not_reached", "below_lowest", "no_points")
 
 _KNEE_RUN_COLUMNS = ("qps", KNEE_METRIC, "request_throughput", "output_throughput", "mean_e2el_ms")
@@ -118,7 +124,7 @@ def knees(frame: pd.DataFrame, ttft_slo_ms: float | str) -> pd.DataFrame:
     limit_ms = _slo_ms(ttft_slo_ms)
     if frame.empty:
         raise ConfigError("runs: none given; the knees need a sweep's run rows (load_run_rows)")
-    for column in ("sweep_id", *CURVE_KEY, *_KNEE_RUN_COLUMNS):
+    for column in ("sweep_id", *CURVE_KEY, *_KNEE_RUN_COLUMNS, "sustained", "not_sustained_reason"):
         if column not in frame.columns:
             raise ConfigError(f"runs: no column {column!r}; the knees need serving run rows (harness.serve.rows)")
     sweeps = sorted(frame["sweep_id"].astype(str).unique(), key=_sweep_order)
@@ -128,13 +134,15 @@ def knees(frame: pd.DataFrame, ttft_slo_ms: float | str) -> pd.DataFrame:
     for key, curve in frame.groupby(list(CURVE_KEY), sort=True):
         points = curve[np.isfinite(curve["qps"].astype(float))].sort_values("qps", kind="stable")
         row = dict(zip(CURVE_KEY, key, strict=True)) | {"sweep_id": sweeps[0], "num_points": len(points)}
-        row |= {"min_qps": None, "max_qps": None, "ttft_slo_ms": limit_ms, "knee_qps": None}
+        row |= {"min_qps": None, "max_qps": None, "ttft_slo_ms": limit_ms, "knee_qps": None, "refused_reason": None}
+        row["num_sustained"] = int(sum(verdict is True or verdict is np.True_ for verdict in points["sustained"]))
         row |= {f"knee_{name}": None for name in _KNEE_RUN_COLUMNS[1:]}
         if points.empty:
             table.append(row | {"status": "no_points"})
             continue
         row |= {"min_qps": float(points["qps"].iloc[0]), "max_qps": float(points["qps"].iloc[-1])}
-        knee_qps = knee(points, limit_ms, metric=KNEE_METRIC, x="qps")
+        knee_qps = knee(points, limit_ms, metric=KNEE_METRIC, x="qps")  # sustained points only
+        row["refused_reason"] = _refused(points, knee_qps, limit_ms)
         if knee_qps is None:
             table.append(row | {"status": "below_lowest"})
             continue
@@ -146,6 +154,18 @@ def knees(frame: pd.DataFrame, ttft_slo_ms: float | str) -> pd.DataFrame:
     return result.astype(
         {field.name: "Int64" if field.type == I64 else float for field in KNEE_FIELDS if field.type != STR}
     )
+
+
+def _refused(points: pd.DataFrame, knee_qps: float | None, limit_ms: float) -> str | None:
+    """Why the first point above the knee (the lowest, with no knee) is refused; None when none is."""
+    above = points if knee_qps is None else points[points["qps"] > knee_qps]
+    if above.empty:
+        return None
+    first = above.iloc[0]
+    verdict = first["sustained"]
+    if not (verdict is True or verdict is np.True_):
+        return f"qps {first['qps']:g}: not sustained: {first['not_sustained_reason']}"
+    return f"qps {first['qps']:g}: p99 TTFT {_number(first[KNEE_METRIC], '{:.1f}')} ms > {limit_ms:g} ms"
 
 
 def fleet(frame: pd.DataFrame, target_qps: float, ttft_slo_ms: float | str) -> pd.DataFrame:
@@ -204,7 +224,8 @@ def summary_lines(table: pd.DataFrame) -> list[str]:
     if table.empty:
         return ["no curves"]
     first = table.iloc[0]
-    lines = [f"sweep {first['sweep_id']}: knee = the highest qps whose p99 TTFT <= {first['ttft_slo_ms']:g} ms"]
+    lines = [f"sweep {first['sweep_id']}: knee = the highest qps whose p99 TTFT <= {first['ttft_slo_ms']:g} ms, "
+             "each point up to it sustained (achieved rate within 5% of offered, SLO attainment met)"]  # fmt: skip
     has_fleet = "replicas" in table.columns
     if has_fleet:
         lines.append(
@@ -218,6 +239,7 @@ def summary_lines(table: pd.DataFrame) -> list[str]:
             ("", "kv_dtype"): row.kv_dtype,
             ("", "engine"): row.engine,
             ("", "points"): row.num_points,
+            ("", "sustained"): row.num_sustained,
             ("", "qps"): f"{_number(row.min_qps)}-{_number(row.max_qps)}",
             ("measured", "knee qps"): _knee_text(row.status, row.knee_qps),
             ("measured", "p99 TTFT ms"): _number(row.knee_p99_ttft_ms, "{:.1f}"),
@@ -236,9 +258,12 @@ def summary_lines(table: pd.DataFrame) -> list[str]:
     frame.columns = pd.MultiIndex.from_tuples(frame.columns)  # a group row over the figures: measured, predicted
     lines += [line.rstrip() for line in frame.to_string(index=False).splitlines()]
     notes = {
-        "below_lowest": "below lowest: even the lowest qps broke the SLO; sweep lower rates",
-        "not_reached": ">=: every qps met the SLO; the knee is higher, so fewer replicas may do",
+        "below_lowest": "below lowest: even the lowest qps broke the SLO or was not sustained; sweep lower rates",
+        "not_reached": ">=: every qps met the SLO and was sustained; the knee is higher, so fewer replicas may do",
         "no_points": "no points: only qps=inf runs, a burst rather than a rate",
     }
     lines += [note for status, note in notes.items() if (table["status"] == status).any()]
+    for row in table.itertuples(index=False):  # what stopped each curve: the SLO, or a rate it did not sustain
+        if isinstance(row.refused_reason, str):
+            lines.append(f"{row.strategy} / {row.kv_dtype} / {row.engine}: refused {row.refused_reason}")
     return lines

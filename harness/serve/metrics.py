@@ -33,6 +33,7 @@ import numpy as np
 import pandas as pd
 
 from harness.errors import ConfigError
+from harness.serve.sustained import DEFAULT_SLO_ATTAINMENT, sustained_columns
 
 MS_PER_S = 1000.0
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")  # vLLM's selected_percentile_metrics, in its print order
@@ -274,8 +275,12 @@ def run_metrics(
     tpot_slo_ms: float | str | None = None,
     e2el_slo_ms: float | str | None = None,
     tier_hit_tokens: Mapping[str, int] | None = None,
+    slo_attainment: float = DEFAULT_SLO_ATTAINMENT,
+    qps: float | None = None,
 ) -> dict:
-    """The run row: counts, throughputs, the latency statistics and goodput, under vLLM's result keys.
+    """The run row: counts, throughputs, the latency statistics and goodput, under vLLM's result keys, and whether
+    the run sustained its offered rate (harness.serve.sustained: the measured window, its achieved rate and SLO
+    attainment against slo_attainment, the verdict and its reason; qps, the offered rate: inf is never sustained).
 
     duration_s (vLLM's `duration`, seconds) is the run's wall time (first arrival to last finish, or the engine's own
     clock), which every throughput divides. The SLOs take what parse_slo_ms takes and are recorded in the row.
@@ -316,7 +321,8 @@ def run_metrics(
         }
         return all(value_ms[name] <= slo for name, slo in slos_ms.items() if slo is not None)
 
-    good_completed = sum(1 for record in records if is_good(record))
+    good = [is_good(record) for record in records]
+    good_completed = sum(good)
 
     row = {
         "duration_s": float(duration_s),
@@ -344,6 +350,9 @@ def run_metrics(
     row["prefix_hit_rate_device"] = (hit_tokens - sum(n or 0 for n in from_tiers.values())) / total_input_tokens
     for source, tokens in from_tiers.items():
         row[f"prefix_hit_rate_{source}"] = None if tokens is None else tokens / total_input_tokens
+    any_slo = any(slo is not None for slo in slos_ms.values())
+    row |= sustained_columns([record.arrival_s for record in records], [record.finished_s for record in records],
+                             good if any_slo else None, slo_attainment=slo_attainment, qps=qps)  # fmt: skip
     return row | dict.fromkeys(TIER_RUN_COLUMNS)  # harness.serve.run fills them from its tiers
 
 
@@ -353,12 +362,18 @@ def knee(
     *,
     metric: str = "p99_ttft_ms",
     x: str = "qps",
+    sustained: str = "sustained",
 ) -> float | None:
-    """The saturation knee (issue #16 item 8): the highest x (qps) below which metric stays at or under the SLO.
+    """The saturation knee (issue #16 item 8, issue #30 item 2): the highest x (qps) below which every point
+    sustained its rate and kept metric at or under the SLO.
 
-    The points are walked up in x, and the knee is the last one before the first that breaks the SLO: a point
-    that meets it again above a failure is noise on an overloaded server, not capacity. A missing metric (None,
-    NaN: a run that failed) breaks the SLO. None when the lowest x already breaks it.
+    The points are walked up in x, and the knee is the last one before the first that breaks the SLO or was not
+    sustained (its `sustained` column not True: harness.serve.sustained, the achieved rate within 5% of the offered
+    one and the SLO attainment met; null, unknown, is not sustained): a finite stream lets a saturated server finish
+    inside a loose SLO, and a point that meets it again above a failure is noise on an overloaded server, not
+    capacity. A missing metric (None, NaN: a run that failed) breaks the SLO. None when the lowest x already breaks
+    it. Points without a `sustained` column (a hand-made list) are judged on the metric alone; every kvbench run row
+    has one (harness.serve.rows.read_run_table recomputes it for rows written before it).
     """
     frame = points if isinstance(points, pd.DataFrame) else pd.DataFrame(list(points))
     if frame.empty:
@@ -371,9 +386,12 @@ def knee(
             raise ConfigError(
                 f"{field}: no column {column!r} in the points; columns: {', '.join(map(str, frame.columns))}"
             )
+    ordered = frame.sort_values(x, kind="stable")
+    held = ordered[sustained] if sustained in frame.columns else pd.Series(True, index=ordered.index)
     highest = None
-    for x_value, value in frame.sort_values(x)[[x, metric]].itertuples(index=False):
-        if value is None or not value <= limit_ms:  # NaN compares False, so a failed run breaks the SLO
+    for x_value, value, ok in zip(ordered[x], ordered[metric], held, strict=True):
+        # NaN compares False, so a failed run breaks the SLO; a null verdict (None, pd.NA) is not a sustained one
+        if value is None or not value <= limit_ms or not (isinstance(ok, bool | np.bool_) and ok):
             break
         highest = float(x_value)
     return highest

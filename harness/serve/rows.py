@@ -31,6 +31,7 @@ from harness.serve.columns import ITERATION_COLUMNS, REQUEST_COLUMNS, RUN_COLUMN
 from harness.serve.dataset import DROP_REASONS
 from harness.serve.metrics import LATENCY_METRICS
 from harness.serve.scheduler import SchedulerOutput
+from harness.serve.sustained import UNKNOWN_REASON, from_request_rows
 from harness.store import disk
 from harness.store.atomic import atomic_write
 from harness.store.disk import write_parquet
@@ -292,7 +293,8 @@ def read_run_table(path: str | Path) -> pa.Table:
     reference's) counted, under max_concurrent_requests, the requests running (first scheduled to finished), which
     is today's max_running_requests: it loads under that name, and its max_concurrent_requests (queueing included)
     as null, never measured. A nullable column added since the row was written (max_num_seqs and
-    max_num_batched_tokens, say) loads as null, at the end. The file is not rewritten."""
+    max_num_batched_tokens, say) loads as null, at the end; one written before the sustained verdict (issue #30) has
+    it recomputed from the run's request parts (harness.serve.sustained). The file is not rewritten."""
     table = pq.read_table(path)
     names = table.column_names
     if "max_running_requests" not in names and "max_concurrent_requests" in names:
@@ -302,6 +304,30 @@ def read_run_table(path: str | Path) -> pa.Table:
     for field in RUN_FIELDS:
         if field.nullable and field.name not in table.column_names:
             table = table.append_column(field, pa.nulls(len(table), type=field.type))
+    if "sustained" not in names:  # a row from before the verdict: recomputed from its request rows (issue #30)
+        table = _recompute_sustained(table, Path(path).parent)
+    return table
+
+
+def _recompute_sustained(table: pa.Table, run_dir: Path) -> pa.Table:
+    """The sustained columns of an older one-row run table from the run's request parts, under the row's SLOs and
+    the default attainment (harness.serve.sustained.from_request_rows); none readable: the verdict stays null and
+    not_sustained_reason says it is unknown."""
+    row = table.to_pylist()[0]
+    try:
+        parts = [_conform(pq.read_table(p), REQUEST_SCHEMA) for p in part_files(run_dir, "requests")]
+        requests = _frame(parts, REQUEST_SCHEMA)
+        slos = {name: row.get(name) for name in ("ttft_slo_ms", "tpot_slo_ms", "e2el_slo_ms")}
+        columns = {"not_sustained_reason": UNKNOWN_REASON}
+        if len(requests):
+            columns = from_request_rows(requests, **slos, qps=row.get("qps"))
+    except (pa.ArrowInvalid, OSError, ValueError, KeyError) as exc:
+        log.warning("%s: the request rows to recompute sustained from cannot be read: %s", run_dir, exc)
+        columns = {"not_sustained_reason": UNKNOWN_REASON}
+    for name, value in columns.items():
+        at = table.column_names.index(name)
+        field = table.schema.field(name)
+        table = table.set_column(at, field, pa.array([value], type=field.type, from_pandas=True))
     return table
 
 

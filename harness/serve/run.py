@@ -220,7 +220,8 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
     result = serve(requests, prompts, scheduler=scheduler, engine=engine, on_iteration=on_iteration,
                    on_finish=on_finish, next_turn=next_turn)  # fmt: skip
     row = run_metrics(result.records, result.duration_s, percentiles=cfg.percentiles,
-                      ttft_slo_ms=cfg.ttft_slo_ms, tpot_slo_ms=cfg.tpot_slo_ms,
+                      ttft_slo_ms=cfg.ttft_slo_ms, tpot_slo_ms=cfg.tpot_slo_ms, slo_attainment=cfg.slo_attainment,
+                      qps=float(cfg.qps) if cfg.trace is None else describe(p.requests)["offered_qps"],
                       tier_hit_tokens=None if tiers is None else manager.tier_tokens(
                           record.request_id for record in result.records))  # fmt: skip
     row |= {

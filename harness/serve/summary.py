@@ -29,9 +29,22 @@ def summary_lines(row: dict, run_dir: Path) -> list[str]:
             f"  host         {row['mean_step_ms']:.1f} ms per forward, scheduler {row['mean_scheduler_ms']:.2f} ms "
             f"per iteration ({100 * row['mean_scheduler_ms'] / (row['mean_step_ms'] + row['mean_scheduler_ms']):.1f}%)",
         ]
+        + _sustained(row)
         + _tiers(row)
         + _by_turn(row)
     )
+
+
+def _sustained(row: dict) -> list[str]:
+    """Whether the run held its offered rate (harness.serve.sustained): a knee point, or why not."""
+    if row.get("sustained") is None:
+        return []
+    achieved, offered = row.get("achieved_qps"), row.get("window_offered_qps")
+    rate = "" if achieved is None else f"{achieved:.3g} req/s finished of {offered:.3g} offered in the window, "
+    attained = row.get("slo_attainment")
+    slo = "no SLO" if attained is None else f"SLO attainment {100 * attained:.0f}%"
+    verdict = "yes" if row["sustained"] else f"no ({row['not_sustained_reason']})"
+    return [f"  sustained    {verdict}: {rate}{slo} (needs {100 * row['slo_attainment_target']:.0f}%)"]
 
 
 def _tiers(row: dict) -> list[str]:

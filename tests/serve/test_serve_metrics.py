@@ -21,6 +21,7 @@ from harness.serve.metrics import (
     request_row,
     run_metrics,
 )
+from harness.serve.sustained import SUSTAINED_COLUMNS
 
 DURATION_S = 2.0
 
@@ -150,6 +151,7 @@ def test_run_metrics_has_vllms_key_names():
         "prefix_hit_rate_host",
         "prefix_hit_rate_disk",
         *TIER_RUN_COLUMNS,
+        *SUSTAINED_COLUMNS,  # harness.serve.sustained: the window, its achieved rate and attainment, the verdict
     }
 
 
