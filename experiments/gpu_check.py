@@ -7,10 +7,10 @@ folder; this module sizes them beforehand and judges them afterwards:
     python -m experiments.gpu_check report --work DIR --out DIR [--long-context-tokens 8192] [--dry]
 
 `report` merges every stage's rows into one parquet (a `stage` column says whose), the profiler tables into another,
-the serve runs' run rows into serve.parquet and the tier and PD tables into movement.parquet (experiments/gpu_stages.py),
-copies the stored ceilings (with the tiers stage's figures), and writes summary.md: the machine, each stage's exit
-status and seconds, the key rows, and last one verdict line per target (PASS, FAIL or N/A), computed from the rows
-alone by experiments/gpu_verdicts.py's `verdicts()`.
+the serve runs' run rows into serve.parquet and the tier and PD tables into movement.parquet
+(experiments/gpu_stages.py), copies the stored ceilings (with the tiers stage's figures), and writes summary.md: the
+machine, each stage's exit status and seconds, the key rows, and last one verdict line per target (PASS, FAIL or
+N/A), computed from the rows alone by experiments/gpu_verdicts.py's `verdicts()`.
 
 The sizing (each stage's predicted seconds, upper bounds, not figures to quote) is experiments/sizing.py, and for
 the serve, tiers and pd stages experiments/gpu_stages.py.
@@ -214,7 +214,8 @@ def write_report(*, work: Path, out: Path, dry: bool, long_context_tokens: int) 
 
 
 def plan_table(*, gpu: Gpu = H200) -> pd.DataFrame:
-    """Every stage of the script: its limit, its points (preset stages) and its predicted seconds on `gpu`."""
+    """Every stage of the script: its limit, its points (a preset stage's; the serve stage's runs, the tiers stage's
+    rows, the pd stage's measured rows) and its predicted seconds on `gpu`."""
     script = SCRIPT.read_text()
     limits = stage_limits(script)
     predicted = sizing.stage_predictions(gpu=gpu)

@@ -233,7 +233,8 @@ if [ ! -f "$OUT/summary.md" ]; then
     echo
     echo "## Verdicts"
     echo
-    for target in bandwidth paged-overhead fp8-long-context reduce-overhead energy-clocks serve-concurrency pd-transfer; do
+    targets=(bandwidth paged-overhead fp8-long-context reduce-overhead energy-clocks serve-concurrency pd-transfer)
+    for target in "${targets[@]}"; do
       echo "N/A   $target: the report stage failed"
     done
   } >"$OUT/summary.md"

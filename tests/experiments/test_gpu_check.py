@@ -33,7 +33,7 @@ from experiments.gpu_verdicts import (
 )
 from experiments.sizing import H200, STAGE_ESTIMATES_S, STAGE_PRESETS, preset_claims, stage_limits
 from harness.config import RunConfig
-from harness.store import disk, schema
+from harness.store import disk, schema, tables
 
 ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -249,8 +249,9 @@ def pd_row(**row) -> dict:
 
 
 def test_pd_passes_when_every_measured_point_decodes_the_colocated_tokens():
-    movement = pd.DataFrame([pd_row(), pd_row(transport="shm", transfer_gbps=6.0), pd_row(context=1024),
-                             pd_row(source="extrapolated: PCI-SIG", outputs_match=None), {"table": "tiers"}])  # fmt: skip
+    extrapolated = pd_row(source="extrapolated: PCI-SIG", outputs_match=None)
+    movement = pd.DataFrame([pd_row(), pd_row(transport="shm", transfer_gbps=6.0), pd_row(context=1024), extrapolated,
+                             {"table": "tiers"}])  # fmt: skip
     verdict = pd_verdict(movement)
     assert verdict.status == "PASS" and "all 3 points" in verdict.text and "shm 6.0 GB/s" in verdict.text
 
@@ -377,6 +378,28 @@ def test_the_report_merges_every_stage_with_its_name_and_ends_with_the_verdicts(
     assert [VERDICT_LINE.match(line).group(2) for line in lines[-len(TARGETS) :]] == TARGETS
     assert any("crossover" in line and "124" in line for line in lines)  # the stage that ran out of time
     assert sorted(p.name for p in out.iterdir()) == ["rows.parquet", "summary.md"]  # no ops, no ceilings stored
+
+
+def test_the_report_folds_the_tier_and_pd_tables_into_movement_parquet(tmp_path):
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "stages").mkdir(parents=True)
+    (work / "stages.tsv").write_text("stage\tlimit_s\texit\tseconds\ntiers\t26\t0\t20\npd\t42\t0\t30\n")
+    tier = dict(run_id="t", device="cuda", model="llama-3.1-8b", kv_dtype="bf16", tier="host", block_tokens=16,
+                block_bytes=2**21, n_blocks=32, gbps=25.0, pinned=True, source="measured")  # fmt: skip
+    tiers = pd.DataFrame([tier | {"direction": "d2h"}, tier | {"direction": "h2d", "gbps": 24.0}])
+    tables.write_table(tiers, tables.TIER_COLUMNS, work / "stages" / "tiers" / "tiers", prefix=tables.TIER_PREFIX)
+    pd_rows = pd.DataFrame([pd_row(run_id="p", transport=kind) for kind in ("tcp", "shm")]).drop(columns="table")
+    tables.write_table(pd_rows, tables.PD_COLUMNS, work / "stages" / "pd" / "pd", prefix=tables.PD_PREFIX)
+    found = gpu_check.write_report(work=work, out=out, dry=True, long_context_tokens=8192)
+    movement = pd.read_parquet(out / "movement.parquet")
+    assert (
+        sorted(zip(movement["table"], movement["stage"], strict=True)) == [("pd", "pd")] * 2 + [("tiers", "tiers")] * 2
+    )
+    assert movement.loc[movement["table"] == "tiers", "block_tokens"].tolist() == [16, 16]  # integers, not 16.0
+    assert [v.status for v in found if v.target == "pd-transfer"] == ["PASS"]
+    summary = (out / "summary.md").read_text()
+    assert "## Tiers:" in summary and "## PD:" in summary and "## Serving" not in summary  # no serve run
+    assert sorted(p.name for p in out.iterdir()) == ["movement.parquet", "rows.parquet", "summary.md"]
 
 
 # --- the dry run ---------------------------------------------------------------------------------------------------
