@@ -7,11 +7,13 @@ folder; this module sizes them beforehand and judges them afterwards:
     python -m experiments.gpu_check report --work DIR --out DIR [--long-context-tokens 8192] [--dry]
 
 `report` merges every stage's rows into one parquet (a `stage` column says whose), the profiler tables into another,
-copies the stored ceilings, and writes summary.md: the machine, each stage's exit status and seconds, the key rows,
-and last one verdict line per target (PASS, FAIL or N/A), computed from the rows alone by
-experiments/gpu_verdicts.py's `verdicts()`.
+the serve runs' run rows into serve.parquet and the tier and PD tables into movement.parquet
+(experiments/gpu_stages.py), copies the stored ceilings (with the tiers stage's figures), and writes summary.md: the
+machine, each stage's exit status and seconds, the key rows, and last one verdict line per target (PASS, FAIL or
+N/A), computed from the rows alone by experiments/gpu_verdicts.py's `verdicts()`.
 
-The sizing (each stage's predicted seconds, upper bounds, not figures to quote) is experiments/sizing.py.
+The sizing (each stage's predicted seconds, upper bounds, not figures to quote) is experiments/sizing.py, and for
+the serve, tiers and pd stages experiments/gpu_stages.py.
 """
 
 from __future__ import annotations
@@ -25,21 +27,23 @@ from pathlib import Path
 
 import pandas as pd
 
+from experiments import gpu_stages, sizing
 from experiments.gpu_verdicts import LONG_CONTEXT_TOKENS, STAGE_COLUMN, Verdict, verdicts
-from experiments.sizing import (
-    H200,
-    ROOT,
-    STAGE_PRESETS,
-    Gpu,
-    preset_points,
-    stage_limits,
-    stage_predictions,
-)
+from experiments.sizing import H200, ROOT, STAGE_PRESETS, Gpu, preset_points, stage_limits
 from harness.analytic import crossover
 from harness.errors import exit_on_config_error
 from harness.store import disk
 
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+
+def stage_predictions(*, gpu: Gpu = H200) -> dict[str, float]:
+    """Predicted seconds of every stage of the script on `gpu`: experiments/sizing.py's, then the serve, tiers and
+    pd stages' (experiments/gpu_stages.py, from their arguments in the script)."""
+    predicted = sizing.stage_predictions(gpu=gpu)
+    stages = gpu_stages.stage_predictions(SCRIPT.read_text(), gpu=gpu)
+    return predicted | {stage: seconds for stage, (seconds, _) in stages.items()}
+
 
 # --- the report ----------------------------------------------------------------------------------------------------
 
@@ -145,8 +149,10 @@ def summary_markdown(
     found: Sequence[Verdict],
     dry: bool,
     long_context_tokens: int,
+    extra: Sequence[str] = (),
 ) -> str:
-    """summary.md: the machine, the stages, the key rows and the crossover's knee, then the verdicts, one a line, last."""
+    """summary.md: the machine, the stages, the key rows, the crossover's knee and the `extra` sections (the serve,
+    tiers and pd stages'), then the verdicts, one a line, last."""
     lines = ["# kvbench GPU check", ""]
     if dry:
         lines += [
@@ -163,12 +169,13 @@ def summary_markdown(
     if not knees.empty:
         lines += ["## Crossover: observed knee beside the predicted B*", "", "```", knees.to_string(index=False), "```",
                   ""]  # fmt: skip
-    lines += ["## Verdicts", "", *(verdict.line() for verdict in found)]
+    lines += [*extra, "## Verdicts", "", *(verdict.line() for verdict in found)]
     return "\n".join(lines) + "\n"
 
 
 def write_report(*, work: Path, out: Path, dry: bool, long_context_tokens: int) -> list[Verdict]:
-    """rows.parquet, ops.parquet (when a stage profiled), ceilings.json (when measured) and summary.md into out.
+    """rows.parquet, ops.parquet (when a stage profiled), ceilings.json (when measured), serve.parquet and
+    movement.parquet (when those stages wrote rows) and summary.md into out.
 
     The figures first, summary.md next, the stages' predicted seconds (a few Hydra composes) last, rewriting it: a
     report cut short by its time limit still leaves the rows and the verdicts behind."""
@@ -179,11 +186,19 @@ def write_report(*, work: Path, out: Path, dry: bool, long_context_tokens: int) 
     if len(ops):
         ops.to_parquet(out / "ops.parquet", index=False)
     stored = {path.stem: json.loads(path.read_text()) for path in sorted((work / "store" / "ceilings").glob("*.json"))}
+    runs, movement = gpu_stages.serve_runs(work), gpu_stages.movement_rows(work)
+    if len(runs):
+        runs.to_parquet(out / "serve.parquet", index=False)
+    if len(movement):
+        movement.to_parquet(out / "movement.parquet", index=False)
+    tiers_ceilings = work / "stages" / gpu_stages.TIERS_STAGE / "ceilings"  # the stored ones, tier_gbps added
+    stored |= {path.stem: json.loads(path.read_text()) for path in sorted(tiers_ceilings.glob("*.json"))}
     if stored:
         (out / "ceilings.json").write_text(json.dumps(stored, indent=2) + "\n")
-    found = verdicts(rows, long_context_tokens=long_context_tokens)
+    found = verdicts(rows, long_context_tokens=long_context_tokens, serve_runs=runs, movement=movement)
     summary = dict(machine=machine_lines(), stages=read_stages(work), rows=rows, found=found, dry=dry,
-                   long_context_tokens=long_context_tokens)  # fmt: skip
+                   long_context_tokens=long_context_tokens,
+                   extra=gpu_stages.summary_sections(runs, movement))  # fmt: skip
     (out / "summary.md").write_text(summary_markdown(predicted={}, **summary))
     if not dry:  # the GPU's predictions beside a CPU run's seconds would only mislead
         try:
@@ -199,10 +214,14 @@ def write_report(*, work: Path, out: Path, dry: bool, long_context_tokens: int) 
 
 
 def plan_table(*, gpu: Gpu = H200) -> pd.DataFrame:
-    """Every stage of the script: its limit, its points (preset stages) and its predicted seconds on `gpu`."""
-    limits = stage_limits(SCRIPT.read_text())
-    predicted = stage_predictions(gpu=gpu)
+    """Every stage of the script: its limit, its points (a preset stage's; the serve stage's runs, the tiers stage's
+    rows, the pd stage's measured rows) and its predicted seconds on `gpu`."""
+    script = SCRIPT.read_text()
+    limits = stage_limits(script)
+    predicted = sizing.stage_predictions(gpu=gpu)
     points = {stage: len(preset_points(preset)) for stage, preset in STAGE_PRESETS.items()}
+    for stage, (seconds, count) in gpu_stages.stage_predictions(script, gpu=gpu).items():
+        predicted[stage], points[stage] = seconds, count
     lines = [
         {
             "stage": stage,

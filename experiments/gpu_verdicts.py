@@ -1,5 +1,6 @@
-"""The GPU check's verdicts: its targets (bandwidth, paged overhead, fp8 at long context, CUDA graphs, NVML) and
-one PASS, FAIL or N/A per target, judged from the merged rows of scripts/gpu_check.sh's stages alone.
+"""The GPU check's verdicts: its targets (bandwidth, paged overhead, fp8 at long context, CUDA graphs, NVML, the
+serving planner's concurrency, the PD transfer) and one PASS, FAIL or N/A per target, judged from the merged rows of
+scripts/gpu_check.sh's stages alone.
 
 experiments/gpu_check.py merges the rows, calls `verdicts()` and writes them last in summary.md.
 """
@@ -23,6 +24,10 @@ PAGED_TARGET = 0.05  # paged TPOT at most 5% above contiguous, same workload
 DENSE, PAGED = ContiguousCache.name, PagedCache.name  # the strategies the bandwidth and paged targets name
 LONG_CONTEXT_TOKENS = 8192
 NVML_COLUMNS = ("nvml_timed_samples", "energy_j_per_token", "sm_clock_mhz_min")
+# The serve runs' measured max_running_requests against the planner's predicted_max_running: the burst figure is
+# exact but for the decodes that start while later prompts still prefill (harness.serve.budget.predict_concurrency:
+# "a few percent"), so within 5%, or one request.
+CONCURRENCY_TOLERANCE = 0.05
 # What makes two rows the same workload, so that they differ only in the strategy or the KV format compared.
 WORKLOAD = ("model", "n_kv_heads", "dtype", "batch_size", "prompt_len", "gen_len", "prefix_len", "lengths",
             "weights", "device", "compile", "seed")  # fmt: skip
@@ -203,12 +208,74 @@ def nvml_verdict(rows: pd.DataFrame) -> Verdict:
     )
 
 
-def verdicts(rows: pd.DataFrame, *, long_context_tokens: int = LONG_CONTEXT_TOKENS) -> list[Verdict]:
-    """One verdict per target, in this order: bandwidth, paged overhead, fp8 at long context, CUDA graphs, NVML."""
+def serve_concurrency_verdict(runs: pd.DataFrame) -> Verdict:
+    """Every serve run (harness.serve.rows' run row): the pool limited the requests running at once (the planner
+    predicts fewer than the stream's requests), and the most measured running is the predicted figure, within
+    CONCURRENCY_TOLERANCE or one request."""
+    target = "serve-concurrency"
+    if runs.empty:
+        return Verdict("N/A", target, "no serve run row (the serve stage finished no run)")
+    parts, ok = [], True
+    for _, run in runs.iterrows():
+        predicted, measured = run["predicted_max_running"], run["max_running_requests"]
+        if pd.isna(predicted):
+            return Verdict("N/A", target, f"{run['kv_dtype']}: the planner predicts no concurrency for this pool")
+        slack = max(1, int(CONCURRENCY_TOLERANCE * predicted))
+        kv_limited = predicted < run["completed"]  # every request of a stream at qps=inf completes
+        ok &= bool(kv_limited and abs(measured - predicted) <= slack)
+        parts.append(f"{run['kv_dtype']} {measured} of {predicted}" + ("" if kv_limited else " (not KV-limited)"))
+    return Verdict(
+        "PASS" if ok else "FAIL",
+        target,
+        f"max running measured of predicted: {'; '.join(parts)} ({runs['model'].iloc[0]}, {runs['strategy'].iloc[0]}; "
+        f"target: KV-limited, within {CONCURRENCY_TOLERANCE:.0%} or 1)",
+    )
+
+
+def pd_verdict(movement: pd.DataFrame) -> Verdict:
+    """Every measured PD point moved the KV (status ok), and the decode process, from the received KV, generated
+    what the colocated baseline did (outputs_match)."""
+    target = "pd-transfer"
+    if movement.empty or "table" not in movement.columns:
+        return Verdict("N/A", target, "no PD rows (the pd stage wrote no table)")
+    pd_rows = movement[movement["table"].eq("pd") & movement["source"].eq("measured")]
+    if pd_rows.empty:
+        return Verdict("N/A", target, "no measured PD rows")
+    bad = pd_rows[pd_rows["status"].ne("ok") | pd_rows["outputs_match"].ne(True)]
+    if len(bad):
+        row = bad.iloc[0]
+        why = (
+            f"{row['status']}: {' '.join(str(row['error']).split())[:120]}"
+            if row["status"] != "ok"
+            else "outputs differ"
+        )
+        return Verdict("FAIL", target, f"{len(bad)} of {len(pd_rows)} points failed; first: {row['transport']} "
+                       f"{row['kv_dtype']} at {row['context']} tokens: {why}")  # fmt: skip
+    longest = pd_rows[pd_rows["context"].eq(pd_rows["context"].max())]
+    speeds = "; ".join(f"{r.transport} {r.transfer_gbps:.1f} GB/s" for r in longest.itertuples())
+    return Verdict(
+        "PASS",
+        target,
+        f"all {len(pd_rows)} points moved the KV and decoded the colocated tokens; at {int(longest['context'].iloc[0])}"
+        f" tokens ({int(longest['kv_bytes'].iloc[0]) / 2**20:.2f} MiB): {speeds}",
+    )
+
+
+def verdicts(
+    rows: pd.DataFrame,
+    *,
+    long_context_tokens: int = LONG_CONTEXT_TOKENS,
+    serve_runs: pd.DataFrame | None = None,
+    movement: pd.DataFrame | None = None,
+) -> list[Verdict]:
+    """One verdict per target, in this order: bandwidth, paged overhead, fp8 at long context, CUDA graphs, NVML, the
+    serve runs' concurrency, the PD transfer."""
     return [
         bandwidth_verdict(rows),
         paged_verdict(rows),
         fp8_verdict(rows, long_context_tokens=long_context_tokens),
         reduce_overhead_verdict(rows),
         nvml_verdict(rows),
+        serve_concurrency_verdict(pd.DataFrame() if serve_runs is None else serve_runs),
+        pd_verdict(pd.DataFrame() if movement is None else movement),
     ]

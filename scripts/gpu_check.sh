@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# kvbench's GPU check: one command, at most 9 minutes on one H200 (the stages' limits add up to 7.6), runnable on a
+# kvbench's GPU check: one command, at most 9 minutes on one H200 (the stages' limits add up to 8.0), runnable on a
 # machine without a package index, with .whl/ filled by `make gpu-wheels` in the repository (any working directory):
 #
 #   OUT=/tmp/kvbench-gpu bash scripts/gpu_check.sh                     # OUT defaults to /tmp/kvbench-gpu-check
@@ -16,14 +16,22 @@
 #   long-context  experiment=gpu-check-long-context: the same four caches at batch 8 x 8192 tokens, fp8 accuracy too
 #   compile       experiment=gpu-check-compile: `small` eager (profiled) and compile=reduce-overhead (CUDA graphs)
 #   crossover     experiment=gpu-check-crossover: Llama-3.1-8B at 32-token prompts, batch 1..512
+#   serve         python -m experiments.serve -m experiment=serve-gpu-check: Llama-3.1-8B on dummy weights, a paged
+#                 pool in bf16 and fp8_e4m3, one fixed stream at qps=inf; max running measured beside predicted
+#   tiers         python -m experiments.tiers at Llama-3.1-8B's 16- and 256-token blocks: d2h and h2d through
+#                 page-locked host memory, the disk tier's write and cold read
+#   pd            python -m experiments.pd: Llama-3.1-8B's KV from a prefill to a decode process over tcp and shm,
+#                 staged through the host, at 1024 and 4096 tokens
 #   tests         every `gpu`-marked test and the Triton kernel's tests, compiled for this GPU (pytest-xdist if there)
 #   report        python -m experiments.gpu_check report: the merged rows, summary.md and its verdict lines
 # Stages write only into GPU_CHECK_WORK (default /tmp/kvbench-gpu-work: each stage's rows and Hydra logs, cleared
-# at every start; the stored ceilings, kept). $OUT gets six files, none in a folder: gpu_check.log (everything
+# at every start; the stored ceilings, kept). $OUT gets eight files, none in a folder: gpu_check.log (everything
 # printed), summary.md (the machine, the stages, the key rows, and last one PASS/FAIL/N/A line per target),
-# rows.parquet (every row of every stage, a `stage` column added), ops.parquet (the profiler's top ops),
-# ceilings.json and tests.xml (pytest's JUnit report). Should the report itself fail, every stage's raw rows come
-# back as stages.tar.gz beside a summary.md that says so.
+# rows.parquet (every decode row of every stage, a `stage` column added), ops.parquet (the profiler's top ops),
+# ceilings.json (with the tiers stage's tier_gbps), tests.xml (pytest's JUnit report), serve.parquet (the serve
+# runs' run rows) and movement.parquet (the tier and PD rows, a `table` column naming each one's contract). Should
+# the report itself fail, its partial files are removed and every stage's raw results come back as stages.tar.gz
+# beside a summary.md that says so.
 # GPU_CHECK_DRY=1: every stage at tiny sizes on the CPU (model=tiny, a few tokens, one repeat, in the sweep's own
 # process; the gpu tests skip themselves, a few kernel tests run in Triton's interpreter, reduce-overhead is an
 # `unsupported` row), with .venv/bin/python when there is one. PYTHON=... picks the interpreter either way.
@@ -35,7 +43,7 @@ DRY=${GPU_CHECK_DRY:-}
 OUT=$(realpath -m "${OUT:-/tmp/kvbench-gpu-check}")
 WORK=$(realpath -m "${GPU_CHECK_WORK:-/tmp/kvbench-gpu-work}")
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1 # the repository root: conf/, tests/, .whl/
-ALL_STAGES="ceilings decode long-context compile crossover tests"
+ALL_STAGES="ceilings decode long-context compile crossover serve tiers pd tests"
 STAGES=${GPU_CHECK_STAGES:-$ALL_STAGES}
 if [ -n "${PYTHON:-}" ]; then
   PY=$PYTHON
@@ -51,13 +59,14 @@ for name in $STAGES; do
   fi
 done
 # The measuring stages read the stored ceilings (bw_util needs them): measured first, or loaded when stored.
-if [[ " $STAGES " =~ \ (decode|long-context|compile|crossover)\  ]] && [[ " $STAGES " != *" ceilings "* ]]; then
+if [[ " $STAGES " =~ \ (decode|long-context|compile|crossover|tiers)\  ]] && [[ " $STAGES " != *" ceilings "* ]]; then
   STAGES="ceilings $STAGES"
 fi
 
 mkdir -p "$OUT" "$WORK" || exit 1
 # This script's own files only: $OUT may hold anything else (it is emptied before each command on the device).
-rm -f "$OUT"/{rows.parquet,ops.parquet,ceilings.json,summary.md,tests.xml,stages.tar.gz}
+REPORTED=(rows.parquet ops.parquet ceilings.json serve.parquet movement.parquet) # the report stage's files
+rm -f "${REPORTED[@]/#/$OUT/}" "$OUT"/{summary.md,tests.xml,stages.tar.gz}
 rm -rf "${WORK:?}/stages" "$WORK/site" "$WORK/stages.tsv" "$WORK/tests.xml"
 mkdir -p "$WORK/stages" "$WORK/store"
 : >"$OUT/gpu_check.log"
@@ -65,8 +74,13 @@ exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 tee_pid=$!
 export PYTHONUNBUFFERED=1
 
+# The serving and movement stages' GPU arguments, one line each: experiments/gpu_stages.py reads these lines to
+# predict each stage's seconds (python -m experiments.gpu_check plan). A dry run appends its tiny sizes.
+SERVE_ARGS=(experiment=serve-gpu-check)
+TIERS_ARGS=(model=llama-3.1-8b kv_dtype=bf16 "block_tokens=[16,256]" total_mb=64 repeats=5)
+PD_ARGS=(model=llama-3.1-8b "transports=[tcp,shm]" "kv_dtypes=[bf16]" "contexts=[1024,4096]" repeats=3 prefill_repeats=1)
 if [ -n "$DRY" ]; then
-  DEVICE=cpu QUICK=true LONG_CONTEXT_TOKENS=64 DEADLINE_S=${GPU_CHECK_DEADLINE_S:-300}
+  DEVICE=cpu QUICK=true LONG_CONTEXT_TOKENS=64 DEADLINE_S=${GPU_CHECK_DEADLINE_S:-360}
   # Tiny points on the CPU: what the stages' presets run, minus the sizes (later overrides win over a preset's), and
   # measured in the sweep's own process: a spawned worker costs each sweep ~10 s here, a third of the dry run, and
   # the workers have tests of their own (tests/run/test_sweep.py, tests/run/test_faults.py).
@@ -75,6 +89,12 @@ if [ -n "$DRY" ]; then
   # machine made a tiny bf16 step take 5 to 170 ms here (1 thread: 3 to 6 ms).
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   DECODE=(prompt_len=32) LONG=(batch_size=2 "prompt_len=$LONG_CONTEXT_TOKENS") CROSS=(batch_size=1,2,4 prompt_len=8)
+  # Serve: 16 requests of 16 + 4 tokens into 7 blocks (bf16; 12 in fp8) of the tiny model's KV, so the pool still
+  # limits the requests running at once; tiers: one block size, 64 files of 4 KiB a repeat (an fsync each, ~15 ms
+  # here); pd: two short contexts.
+  SERVE_ARGS+=(model=tiny num_prompts=16 prompt_len=16 output_len=4 max_model_len=32 kv_memory_gb=0.00003)
+  TIERS_ARGS+=(model=tiny "block_tokens=[16]" total_mb=0.25 repeats=2)
+  PD_ARGS+=(model=tiny "contexts=[16,64]" repeats=2)
 else
   DEVICE=cuda QUICK=false LONG_CONTEXT_TOKENS=8192 DEADLINE_S=${GPU_CHECK_DEADLINE_S:-540}
   POINT=() DECODE=() LONG=() CROSS=()
@@ -82,7 +102,7 @@ fi
 SITE=$WORK/site STORE=$WORK/store
 export PY SITE DRY WORK
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-REPORT_LIMIT=$([ -n "$DRY" ] && echo 60 || echo 20)  # the report stage's limits, below: kept in reserve
+REPORT_LIMIT=$([ -n "$DRY" ] && echo 60 || echo 10)  # the report stage's limits, below: kept in reserve
 failures=()
 started=$SECONDS
 printf 'stage\tlimit_s\texit\tseconds\n' >"$WORK/stages.tsv"
@@ -161,17 +181,17 @@ fi
 
 echo "=== kvbench GPU check$([ -n "$DRY" ] && echo ' (dry run on the CPU)'): stages: $STAGES"
 echo "=== python $PY; OUT $OUT; work $WORK; deadline ${DEADLINE_S} s"
-stage setup 25 60 bash -c "$SETUP"
+stage setup 20 60 bash -c "$SETUP"
 if selected ceilings; then
-  stage ceilings 30 60 "$PY" -m experiments.ceilings "device=$DEVICE" "results_dir=$STORE" "quick=$QUICK"
+  stage ceilings 18 60 "$PY" -m experiments.ceilings "device=$DEVICE" "results_dir=$STORE" "quick=$QUICK"
 fi
 if selected decode; then
   sweep_command decode gpu-check-decode "${DECODE[@]}"
-  stage decode 55 60 "${cmd[@]}"
+  stage decode 40 60 "${cmd[@]}"
 fi
 if selected long-context; then
   sweep_command long-context gpu-check-long-context "${LONG[@]}"
-  stage long-context 80 60 "${cmd[@]}"
+  stage long-context 75 60 "${cmd[@]}"
 fi
 if selected compile; then
   sweep_command compile gpu-check-compile
@@ -179,16 +199,30 @@ if selected compile; then
 fi
 if selected crossover; then
   sweep_command crossover gpu-check-crossover "${CROSS[@]}"
-  stage crossover 50 60 "${cmd[@]}"
+  stage crossover 42 60 "${cmd[@]}"
+fi
+if selected serve; then
+  stage serve 38 60 "$PY" -m experiments.serve -m "${SERVE_ARGS[@]}" "device=$DEVICE" "results_dir=$WORK/stages/serve"
+fi
+if selected tiers; then
+  # The stored ceilings copied into the stage's own folder: read there (none measured again), tier_gbps added.
+  mkdir -p "$WORK/stages/tiers/ceilings" && cp -f "$STORE"/ceilings/*.json "$WORK/stages/tiers/ceilings/" 2>/dev/null
+  stage tiers 26 60 "$PY" -m experiments.tiers "${TIERS_ARGS[@]}" "device=$DEVICE" "quick=$QUICK" \
+    "results_dir=$WORK/stages/tiers"
+fi
+if selected pd; then
+  stage pd 42 60 "$PY" -m experiments.pd "${PD_ARGS[@]}" "device=$DEVICE" "results_dir=$WORK/stages/pd"
 fi
 if selected tests; then
-  stage tests 120 90 bash -c "$TESTS"
+  stage tests 92 90 bash -c "$TESTS"
 fi
-stage report 20 60 "$PY" -m experiments.gpu_check report --work "$WORK" --out "$OUT" \
+stage report 10 60 "$PY" -m experiments.gpu_check report --work "$WORK" --out "$OUT" \
   --long-context-tokens "$LONG_CONTEXT_TOKENS" ${DRY:+--dry}
 [ -f "$WORK/tests.xml" ] && cp "$WORK/tests.xml" "$OUT/tests.xml"
 if [ ! -f "$OUT/summary.md" ]; then
-  # The report itself failed: bring back every stage's raw rows in one file, and say so where the verdicts go.
+  # The report itself failed: bring back every stage's raw results in one file, the report's partial files removed
+  # (at most 8 files come back), and say so where the verdicts go.
+  rm -f "${REPORTED[@]/#/$OUT/}"
   tar -czf "$OUT/stages.tar.gz" -C "$WORK" stages stages.tsv
   {
     echo "# kvbench GPU check: the report stage failed (see gpu_check.log); every row is in stages.tar.gz"
@@ -199,7 +233,8 @@ if [ ! -f "$OUT/summary.md" ]; then
     echo
     echo "## Verdicts"
     echo
-    for target in bandwidth paged-overhead fp8-long-context reduce-overhead energy-clocks; do
+    targets=(bandwidth paged-overhead fp8-long-context reduce-overhead energy-clocks serve-concurrency pd-transfer)
+    for target in "${targets[@]}"; do
       echo "N/A   $target: the report stage failed"
     done
   } >"$OUT/summary.md"

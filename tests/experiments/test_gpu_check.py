@@ -9,6 +9,7 @@ tmp_path.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -18,22 +19,26 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from experiments import gpu_check, sizing
+from experiments import gpu_check, gpu_stages, sizing
+from experiments.gpu_check import stage_predictions
 from experiments.gpu_verdicts import (
     bandwidth_verdict,
     fp8_verdict,
     nvml_verdict,
     paged_verdict,
+    pd_verdict,
     reduce_overhead_verdict,
+    serve_concurrency_verdict,
     verdicts,
 )
-from experiments.sizing import H200, STAGE_ESTIMATES_S, STAGE_PRESETS, preset_claims, stage_limits, stage_predictions
+from experiments.sizing import H200, STAGE_ESTIMATES_S, STAGE_PRESETS, preset_claims, stage_limits
 from harness.config import RunConfig
-from harness.store import disk, schema
+from harness.store import disk, schema, tables
 
 ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-TARGETS = ["bandwidth", "paged-overhead", "fp8-long-context", "reduce-overhead", "energy-clocks"]
+TARGETS = ["bandwidth", "paged-overhead", "fp8-long-context", "reduce-overhead", "energy-clocks", "serve-concurrency",
+           "pd-transfer"]  # fmt: skip
 VERDICT_LINE = re.compile(r"^(PASS|FAIL|N/A)\s+([a-z0-9-]+): \S")
 BASE = dict(
     status="ok", error=None, model="llama-3.1-8b", n_kv_heads=8, dtype="bf16", kv_dtype="bf16", cache="contiguous",
@@ -215,6 +220,49 @@ def test_nvml_on_cpu_rows_only_is_not_applicable():
     assert nvml_verdict(frame(nvml(samples=None, energy=None, sm_min=None) | {"device": "cpu"})).status == "N/A"
 
 
+# --- the serve runs' concurrency and the PD transfer ---------------------------------------------------------------
+
+
+def serve_run(**row) -> dict:
+    return dict(kv_dtype="bf16", model="llama-3.1-8b", strategy="paged", completed=96, predicted_max_running=31,
+                max_running_requests=31) | row  # fmt: skip
+
+
+def test_serve_concurrency_passes_when_measured_is_the_prediction_in_every_kv_dtype():
+    runs = pd.DataFrame(
+        [serve_run(), serve_run(kv_dtype="fp8_e4m3", predicted_max_running=61, max_running_requests=60)]
+    )
+    verdict = serve_concurrency_verdict(runs)
+    assert verdict.status == "PASS" and "bf16 31 of 31; fp8_e4m3 60 of 61" in verdict.text
+
+
+def test_serve_concurrency_fails_off_the_prediction_or_when_the_pool_does_not_limit():
+    assert serve_concurrency_verdict(pd.DataFrame([serve_run(max_running_requests=27)])).status == "FAIL"
+    unlimited = serve_concurrency_verdict(pd.DataFrame([serve_run(predicted_max_running=96, max_running_requests=96)]))
+    assert unlimited.status == "FAIL" and "not KV-limited" in unlimited.text
+    assert serve_concurrency_verdict(pd.DataFrame()).status == "N/A"
+
+
+def pd_row(**row) -> dict:
+    return dict(table="pd", source="measured", status="ok", error=None, outputs_match=True, transport="tcp",
+                kv_dtype="bf16", context=4096, kv_bytes=4095 * 131072, transfer_gbps=2.5) | row  # fmt: skip
+
+
+def test_pd_passes_when_every_measured_point_decodes_the_colocated_tokens():
+    extrapolated = pd_row(source="extrapolated: PCI-SIG", outputs_match=None)
+    movement = pd.DataFrame([pd_row(), pd_row(transport="shm", transfer_gbps=6.0), pd_row(context=1024), extrapolated,
+                             {"table": "tiers"}])  # fmt: skip
+    verdict = pd_verdict(movement)
+    assert verdict.status == "PASS" and "all 3 points" in verdict.text and "shm 6.0 GB/s" in verdict.text
+
+
+def test_pd_fails_on_an_error_or_different_outputs_and_without_rows_is_not_applicable():
+    assert pd_verdict(pd.DataFrame([pd_row(), pd_row(outputs_match=False)])).status == "FAIL"
+    failed = pd_verdict(pd.DataFrame([pd_row(status="error", error="RuntimeError: peer gone", outputs_match=None)]))
+    assert failed.status == "FAIL" and "peer gone" in failed.text
+    assert pd_verdict(pd.DataFrame([{"table": "tiers", "source": "measured"}])).status == "N/A"
+
+
 def test_there_is_one_verdict_per_target_in_order_on_an_empty_table():
     found = verdicts(frame({}).iloc[0:0])
     assert [verdict.target for verdict in found] == TARGETS
@@ -226,14 +274,14 @@ def test_there_is_one_verdict_per_target_in_order_on_an_empty_table():
 
 def test_the_script_has_a_limit_for_every_stage():
     limits = stage_limits(SCRIPT.read_text())
-    assert set(limits) == set(STAGE_PRESETS) | set(STAGE_ESTIMATES_S)
+    assert set(limits) == set(STAGE_PRESETS) | set(STAGE_ESTIMATES_S) | set(gpu_stages.STAGE_MODELS)
 
 
 def test_the_limits_leave_a_rerun_inside_the_window():
     # A 15-minute window: the machine's start (1-2 min), the whole run, and time to rerun a failed stage alone.
     limits = stage_limits(SCRIPT.read_text())
-    assert len(limits) == len(STAGE_PRESETS) + len(STAGE_ESTIMATES_S)
-    assert sum(limits.values()) <= 7.6 * 60
+    assert len(limits) == len(STAGE_PRESETS) + len(STAGE_ESTIMATES_S) + len(gpu_stages.STAGE_MODELS)
+    assert sum(limits.values()) <= 8.0 * 60
     assert sum(limits.values()) + 5 * len(limits) <= 9 * 60  # every stage run out, each killed 5 s after its limit
 
 
@@ -250,6 +298,27 @@ def test_every_stage_is_predicted_within_its_limit():
     predicted = stage_predictions(gpu=H200)
     over = {stage: round(seconds) for stage, seconds in predicted.items() if seconds > limits[stage]}
     assert not over, f"predicted past the limit (s): {over}; limits {limits}"
+
+
+def test_the_plan_prints_every_stage_limit_beside_its_prediction():
+    table = gpu_check.plan_table()
+    assert list(table["stage"]) == list(stage_limits(SCRIPT.read_text()))
+    assert table["predicted_s"].notna().all() and (table["predicted_s"] <= table["limit_s"]).all()
+    assert dict(zip(table["stage"], table["points"], strict=True))["serve"] == 2  # bf16 and fp8_e4m3
+
+
+def test_the_serve_stage_is_kv_limited_on_the_gpu():
+    # Its verdict compares measured and predicted concurrency: only a pool that caps it says anything.
+    plans = gpu_stages.serve_plans(gpu_stages.script_args(SCRIPT.read_text(), "serve"))
+    assert [p.kv_dtype for p in plans] == ["bf16", "fp8_e4m3"]
+    assert all(p.workload.model_args().name == "llama-3.1-8b" and p.cfg.weights == "dummy" for p in plans)
+    assert all(1 < p.predicted_max_running < len(p.requests) <= p.cfg.max_num_seqs for p in plans)
+    assert plans[1].predicted_max_running > plans[0].predicted_max_running  # fp8 holds about twice the tokens
+
+
+def test_a_stage_without_its_arguments_line_is_named():
+    with pytest.raises(ValueError, match="no line PD_ARGS"):
+        gpu_stages.script_args("SERVE_ARGS=(experiment=serve-gpu-check)\n", "pd")
 
 
 def decode_point(**fields) -> RunConfig:
@@ -285,7 +354,7 @@ def test_an_unknown_stage_is_one_line_naming_the_allowed_ones(tmp_path):
     assert proc.returncode == 2 and not (tmp_path / "out").exists()
     assert proc.stderr.strip().splitlines() == [
         "gpu_check: bad GPU_CHECK_STAGES: unknown stage 'warp'; allowed: ceilings decode long-context compile "
-        "crossover tests"
+        "crossover serve tiers pd tests"
     ]
 
 
@@ -311,6 +380,28 @@ def test_the_report_merges_every_stage_with_its_name_and_ends_with_the_verdicts(
     assert sorted(p.name for p in out.iterdir()) == ["rows.parquet", "summary.md"]  # no ops, no ceilings stored
 
 
+def test_the_report_folds_the_tier_and_pd_tables_into_movement_parquet(tmp_path):
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "stages").mkdir(parents=True)
+    (work / "stages.tsv").write_text("stage\tlimit_s\texit\tseconds\ntiers\t26\t0\t20\npd\t42\t0\t30\n")
+    tier = dict(run_id="t", device="cuda", model="llama-3.1-8b", kv_dtype="bf16", tier="host", block_tokens=16,
+                block_bytes=2**21, n_blocks=32, gbps=25.0, pinned=True, source="measured")  # fmt: skip
+    tiers = pd.DataFrame([tier | {"direction": "d2h"}, tier | {"direction": "h2d", "gbps": 24.0}])
+    tables.write_table(tiers, tables.TIER_COLUMNS, work / "stages" / "tiers" / "tiers", prefix=tables.TIER_PREFIX)
+    pd_rows = pd.DataFrame([pd_row(run_id="p", transport=kind) for kind in ("tcp", "shm")]).drop(columns="table")
+    tables.write_table(pd_rows, tables.PD_COLUMNS, work / "stages" / "pd" / "pd", prefix=tables.PD_PREFIX)
+    found = gpu_check.write_report(work=work, out=out, dry=True, long_context_tokens=8192)
+    movement = pd.read_parquet(out / "movement.parquet")
+    assert (
+        sorted(zip(movement["table"], movement["stage"], strict=True)) == [("pd", "pd")] * 2 + [("tiers", "tiers")] * 2
+    )
+    assert movement.loc[movement["table"] == "tiers", "block_tokens"].tolist() == [16, 16]  # integers, not 16.0
+    assert [v.status for v in found if v.target == "pd-transfer"] == ["PASS"]
+    summary = (out / "summary.md").read_text()
+    assert "## Tiers:" in summary and "## PD:" in summary and "## Serving" not in summary  # no serve run
+    assert sorted(p.name for p in out.iterdir()) == ["movement.parquet", "rows.parquet", "summary.md"]
+
+
 # --- the dry run ---------------------------------------------------------------------------------------------------
 
 NAME = re.compile(r"[A-Za-z0-9._-]+")
@@ -331,6 +422,9 @@ def test_the_dry_run_passes_on_the_cpu_and_brings_back_what_the_device_would(tmp
         "long-context",
         "compile",
         "crossover",
+        "serve",
+        "tiers",
+        "pd",
         "tests",
         "report",
     ]
@@ -343,6 +437,16 @@ def test_the_dry_run_passes_on_the_cpu_and_brings_back_what_the_device_would(tmp
     merged, every = disk.load(out / "rows.parquet"), disk.load(work / "stages")
     assert len(merged) == len(every) > 0 and sorted(merged["point_id"]) == sorted(every["point_id"])
     assert set(merged["stage"]) == {"decode", "long-context", "compile", "crossover"}
+    # The serve, tiers and pd stages, folded into two files: the run rows, and the tier and PD tables.
+    runs = pd.read_parquet(out / "serve.parquet")
+    assert sorted(runs["kv_dtype"]) == ["bf16", "fp8_e4m3"] and (runs["completed"] == 16).all()
+    assert (runs["predicted_max_running"] < runs["completed"]).all()  # the tiny pool still limits the dry stream
+    movement = pd.read_parquet(out / "movement.parquet")
+    tiers, transfers = (movement[movement["table"] == name] for name in ("tiers", "pd"))
+    assert set(tiers["direction"]) == {"d2h", "h2d", "write", "read"} and (tiers["gbps"] > 0).all()
+    measured = transfers[transfers["source"] == "measured"]
+    assert sorted(set(measured["transport"])) == ["shm", "tcp"] and measured["outputs_match"].all()
+    assert "tier_gbps" in json.dumps(json.loads((out / "ceilings.json").read_text()))
     lines = (out / "summary.md").read_text().splitlines()
     found = [VERDICT_LINE.match(line) for line in lines]
     assert [match.group(2) for match in found if match] == TARGETS  # one line per target, nowhere else
