@@ -170,6 +170,9 @@ RUN_COLUMNS: tuple[Column, ...] = (
     _required("engine", "string", "", "kvbench, or the peer (transformers)"),
     _required("strategy", "string", "", "KV-cache strategy name"),
     _required("kv_dtype", "string", "", "Storage dtype of the KV pool"),
+    Column(
+        "attn_impl", "string", "", "Attention: sdpa, or eager (scores written out); null: a row before eager served"
+    ),
     _required("model", "string", "", "Model preset name"),
     _required("device", "string", "", "cpu or cuda"),
     _required("qps", "float64", "req/s", "Arrival rate; inf: every request at t = 0"),
@@ -193,7 +196,7 @@ RUN_COLUMNS: tuple[Column, ...] = (
         "predicted_max_running",
         "int64",
         "",
-        "The planner's concurrency for the pool (harness.serve.budget.predict_concurrency); null: no prediction",
+        "The planner's concurrency for the pool (harness.serve.concurrency.predict_concurrency); null: none",
     ),
     Column("mean_kv_utilization", "float64", "", "Used / all blocks, mean over iterations"),
     Column("peak_kv_utilization", "float64", "", "Used / all blocks, at the fullest iteration"),

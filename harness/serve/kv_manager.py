@@ -117,7 +117,15 @@ class KVManager(Protocol):
         """The request's blocks (none for a slot, or a request holding none), num_new 0."""
         ...
 
-    def peak_blocks(self, num_tokens: int, *, max_chunk_tokens: int) -> int: ...
+    def peak_blocks(self, num_tokens: int, *, max_chunk_tokens: int) -> int:
+        """The most blocks a request of num_tokens tokens ever holds, computing at most max_chunk_tokens at once."""
+        ...
+
+    def admission_blocks(self, prompt_len: int, *, max_chunk_tokens: int) -> int:
+        """The blocks a request of prompt_len tokens takes to be admitted into an empty pool with no prefix hit:
+        its first scheduled chunk's, min(prompt_len, max_chunk_tokens) tokens, as the scheduler's admission
+        allocates them (the planner's burst, harness.serve.concurrency.predict_concurrency)."""
+        ...
 
     def fits_alone(self, num_tokens: int, *, max_chunk_tokens: int, watermark_blocks: int) -> bool: ...
 
@@ -260,6 +268,10 @@ class PagedKVManager:
             return whole
         return min(whole, blocks_for(self.sliding_window + max_chunk_tokens - 1, self.block_size) + 1)
 
+    def admission_blocks(self, prompt_len: int, *, max_chunk_tokens: int) -> int:
+        """The first chunk's blocks: computed from position 0, so a window has freed none yet."""
+        return blocks_for(min(prompt_len, max_chunk_tokens), self.block_size)
+
     def fits_alone(self, num_tokens: int, *, max_chunk_tokens: int, watermark_blocks: int) -> bool:
         """Whether a request of num_tokens tokens runs in the empty pool: its peak plus the watermark (vLLM v0's
         AllocStatus.NEVER is the opposite), so that admission alone never blocks the queue for good."""
@@ -330,6 +342,9 @@ class ContiguousKVManager:
 
     def peak_blocks(self, num_tokens: int, *, max_chunk_tokens: int) -> int:
         return blocks_for(self.max_model_len, self.block_size)  # the whole slot, whatever the request's length
+
+    def admission_blocks(self, prompt_len: int, *, max_chunk_tokens: int) -> int:
+        return blocks_for(self.max_model_len, self.block_size)  # the whole slot, reserved at admission
 
     def fits_alone(self, num_tokens: int, *, max_chunk_tokens: int, watermark_blocks: int) -> bool:
         return self.num_slots >= 1 and num_tokens <= self.max_model_len

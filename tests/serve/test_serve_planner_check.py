@@ -12,7 +12,8 @@ import pytest
 
 from harness.analytic.ledger import kv_bytes_per_token
 from harness.config import Workload
-from harness.serve.budget import bytes_per_block, predict_concurrency
+from harness.serve.budget import bytes_per_block
+from harness.serve.concurrency import predict_concurrency
 from harness.serve.kv_manager import make_kv_manager, num_blocks_for
 from harness.serve.requests import RequestSpec, generate
 from harness.serve.scheduler import Scheduler, SchedulerConfig, simulate
