@@ -127,6 +127,9 @@ class ServeConfig(Workload):
         check_choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
         self.check_dataset()
         check_window(self.strategy, self.sliding_window)
+        if self.sliding_window is not None and self.sliding_window >= self.max_model_len:
+            raise ConfigError(f"sliding_window: must be below max_model_len={self.max_model_len} (a window of a whole "
+                              f"request frees no block: strategy=paged), got {self.sliding_window}")  # fmt: skip
         check_tiers(self.strategy, self.tier_options)
         device_type(self.device)
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
