@@ -170,9 +170,6 @@ RUN_COLUMNS: tuple[Column, ...] = (
     _required("engine", "string", "", "kvbench, or the peer (transformers)"),
     _required("strategy", "string", "", "KV-cache strategy name"),
     _required("kv_dtype", "string", "", "Storage dtype of the KV pool"),
-    Column(
-        "attn_impl", "string", "", "Attention: sdpa, or eager (scores written out); null: a row before eager served"
-    ),
     _required("model", "string", "", "Model preset name"),
     _required("device", "string", "", "cpu or cuda"),
     _required("qps", "float64", "req/s", "Arrival rate; inf: every request at t = 0"),

@@ -117,14 +117,11 @@ class KVManager(Protocol):
         """The request's blocks (none for a slot, or a request holding none), num_new 0."""
         ...
 
-    def peak_blocks(self, num_tokens: int, *, max_chunk_tokens: int) -> int:
-        """The most blocks a request of num_tokens tokens ever holds, computing at most max_chunk_tokens at once."""
-        ...
+    def peak_blocks(self, num_tokens: int, *, max_chunk_tokens: int) -> int: ...
 
     def admission_blocks(self, prompt_len: int, *, max_chunk_tokens: int) -> int:
-        """The blocks a request of prompt_len tokens takes to be admitted into an empty pool with no prefix hit:
-        its first scheduled chunk's, min(prompt_len, max_chunk_tokens) tokens, as the scheduler's admission
-        allocates them (the planner's burst, harness.serve.concurrency.predict_concurrency)."""
+        """Blocks a request takes to be admitted, no prefix hit: its first chunk's, min(prompt_len, max_chunk_tokens)
+        tokens, as the scheduler's admission allocates (harness.serve.concurrency's burst)."""
         ...
 
     def fits_alone(self, num_tokens: int, *, max_chunk_tokens: int, watermark_blocks: int) -> bool: ...

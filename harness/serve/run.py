@@ -229,7 +229,6 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
         "engine": "kvbench",
         "strategy": cfg.strategy,
         "kv_dtype": p.kv_dtype,
-        "attn_impl": cfg.attn_impl,
         "model": args.name,
         "device": p.device,
         # a trace's offered rate: its requests over its last arrival (inf when all arrive at 0)

@@ -78,7 +78,7 @@ def test_the_recorded_config_has_the_keys_of_the_committed_reference_runs():
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("attn_impl=eager", "^attn_impl: a serving run does not take it; allowed: sdpa$"),
+        ("mla_path=naive", "^mla_path: a serving run does not take it; allowed: absorbed$"),
         ("batch_size=4", "^batch_size: a serving run does not take it; allowed: 1$"),
         ("gen_len=8", "^gen_len: set from output_len in a serving run; allowed: leave it unset$"),
     ],
