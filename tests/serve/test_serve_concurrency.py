@@ -13,8 +13,10 @@ import math
 
 import pytest
 
+from harness import kv
 from harness.analytic.runtime import GiB
 from harness.config import Workload
+from harness.kv.serve_mode import Serving
 from harness.modeling.model_args import ModelArgs
 from harness.serve.budget import kv_budget
 from harness.serve.concurrency import predict_concurrency
@@ -71,6 +73,17 @@ def test_a_window_longer_than_the_requests_is_predicted_as_paged():
     sliding = predict(workload("sliding"), requests, kv_manager=manager("sliding", window=1024))
     paged = predict(workload("paged"), requests)
     assert sliding.predicted_max_running == paged.predicted_max_running == (NUM_BLOCKS - RESERVE) // 32
+
+
+def test_a_window_predicted_within_its_closed_form_for_a_mix():
+    # mixed prompts: each admission finds those before it at min(admitted, 17)
+    prompts = [100, 500, 300, 900, 50] * 400
+    requests = [Request(i, 0.0, p, 100) for i, p in enumerate(prompts)]
+    predicted = predict(workload("sliding"), requests, kv_manager=manager("sliding", window=256))
+    held = [min(math.ceil(p / BLOCK), 17) for p in prompts]
+    admitted = [math.ceil(p / BLOCK) for p in prompts]
+    k = next(k for k in range(len(prompts)) if sum(held[:k]) + admitted[k] > NUM_BLOCKS - RESERVE)
+    assert predicted.predicted_max_running == k
 
 
 class CappedManager:
@@ -135,12 +148,9 @@ def test_eager_leaves_room_for_its_largest_chunks_scores_in_a_utilization_budget
     assert kv_budget(workload(attn_impl="eager"), **same).kv_bytes == kv_budget(workload(), **same).kv_bytes
 
 
-def test_a_window_predicted_within_its_closed_form_for_a_mix():
-    # mixed prompts: each admission finds those before it at min(admitted, 17)
-    prompts = [100, 500, 300, 900, 50] * 400
-    requests = [Request(i, 0.0, p, 100) for i, p in enumerate(prompts)]
-    predicted = predict(workload("sliding"), requests, kv_manager=manager("sliding", window=256))
-    held = [min(math.ceil(p / BLOCK), 17) for p in prompts]
-    admitted = [math.ceil(p / BLOCK) for p in prompts]
-    k = next(k for k in range(len(prompts)) if sum(held[:k]) + admitted[k] > NUM_BLOCKS - RESERVE)
-    assert predicted.predicted_max_running == k
+def test_which_strategies_the_manager_predicts_is_their_serving_declaration():
+    assert [name for name in kv.serving_names() if kv.serving(name).caps_blocks] == ["sliding"]
+    with pytest.raises(ValueError, match="windowed needs caps_blocks"):
+        Serving(pool="blocks", storage="paged", windowed=True)  # a window frees blocks: it caps what one holds
+    with pytest.raises(ValueError, match="pool must be 'blocks'"):
+        Serving(pool="slots", caps_blocks=True)
