@@ -123,7 +123,7 @@ plot("goodput against qps", goodput_vs_qps, in_sweep)
 st.subheader("The planner, checked")
 plot("predicted and measured concurrency", concurrency_check, in_sweep)
 st.caption(
-    "predicted_max_running is the planner's figure (harness.serve.budget.predict_concurrency) for the run's KV "
+    "predicted_max_running is the planner's figure (harness.serve.concurrency.predict_concurrency) for the run's KV "
     "budget and length mix with every request waiting at once (qps=inf); max_running_requests is measured, the "
     "most requests the run held running at one instant (queueing left out; max_concurrent_requests, in the table, "
     "counts queueing too, as vLLM's does, and is blank for a run recorded before it did). Below saturation fewer "

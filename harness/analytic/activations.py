@@ -50,7 +50,7 @@ def decode_activation_bytes(w: Workload) -> int:
     return forward_bytes(w, n_seqs=w.batch_size, n_new=n_new, n_keys=keys)
 
 
-def forward_bytes(w: Workload, *, n_seqs: int, n_new: int, n_keys: int) -> int:
+def forward_bytes(w: Workload, *, n_seqs: int, n_new: int, n_keys: int, read_back: bool = True) -> int:
     """Peak live bytes of one forward (harness.modeling.model.Transformer) over n_new new tokens per sequence, attending to
     n_keys. Per token, with b = bytes(dtype), d = dim, q = q_dim, k = kv_dim, F = intermediate_size:
 
@@ -69,6 +69,8 @@ def forward_bytes(w: Workload, *, n_seqs: int, n_new: int, n_keys: int) -> int:
 
     A mask the strategy builds before the layers and holds through them (Layout.step_mask_bytes: a sliding
     window's band) counts at its building peak, and beside every phase. MLA: harness.analytic.activations_mla.
+    read_back=False leaves out the strategy's read-back transients (a serving budget's, as vLLM's kernels read the
+    cache in place: harness.serve.budget.profile_forward_bytes).
     """
     if w.model_args().is_mla:  # a latent cache, decompressed or absorbed: its own phases
         return mla_forward_bytes(w, n_seqs=n_seqs, n_new=n_new, n_keys=n_keys)
@@ -76,6 +78,8 @@ def forward_bytes(w: Workload, *, n_seqs: int, n_new: int, n_keys: int) -> int:
     d, q, k, f = args.dim, args.q_dim, args.kv_dim, args.intermediate_size
     n = n_seqs * n_new  # tokens through the layers
     write, read_peak, read_result = layout.transients(w.kv_shape(), n_seqs=n_seqs, n_new=n_new, n_keys=n_keys)
+    if not read_back:
+        read_peak = read_result = 0
     attention_out = n * (q * b + args.n_heads * 4)
     mask = n_new * n_keys if 1 < n_new < n_keys else 0  # bool [T, S], for queries that start mid-sequence
     if w.attn_impl == "eager":  # harness.kv.base.eager_attention

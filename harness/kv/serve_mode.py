@@ -25,6 +25,10 @@ class Serving:
     storage: str = ""
     shares_prefix: bool = False  # requests share the cached blocks of a common prompt prefix (vLLM's enable_caching)
     windowed: bool = False  # a query reads its last sliding_window keys; the blocks before them are freed
+    # The serving KV manager caps the blocks a running request holds below its length's (a window frees those it
+    # has left): the planner then asks that manager what a request takes (KVManager.admission_blocks, peak_blocks)
+    # instead of this strategy's static layout (harness.serve.concurrency.predict_concurrency).
+    caps_blocks: bool = False
     refusal: str = ""  # why it does not serve: the one line a serving run is refused with
 
     def __post_init__(self) -> None:
@@ -32,8 +36,10 @@ class Serving:
             raise ValueError(f"Serving.pool: must be one of {', '.join(SERVE_POOLS)} or None, got {self.pool!r}")
         if (self.pool is None) != bool(self.refusal):
             raise ValueError("Serving.refusal: a strategy that does not serve says why, one that serves says nothing")
-        if (self.shares_prefix or self.windowed) and self.pool != "blocks":
+        if (self.shares_prefix or self.windowed or self.caps_blocks) and self.pool != "blocks":
             raise ValueError("Serving: a shared prefix and a window are kept by block tables: pool must be 'blocks'")
+        if self.windowed and not self.caps_blocks:
+            raise ValueError("Serving: a window frees the blocks it has left: windowed needs caps_blocks")
 
     @classmethod
     def refused(cls, reason: str) -> Serving:

@@ -15,6 +15,8 @@ computes in the same forward (a prefix hit admitted beside its producer) reads i
 - decoding sequences (n_new == 1) together: their keys gathered to the longest, [b, H_kv, S, D], under a key mask
   [b, 1, 1, S] (position < length; and within the window, for a sliding window), one SDPA call;
 - each prefill chunk alone, over its own keys, with the causal (or banded) mask of its start position.
+Both run the cache's spec.attn_impl: SDPA, or eager (harness.kv.base.eager_attention: the scores [.., q, keys]
+written out, the static path's attn_impl=eager), which also turns off a strategy's own decode kernel.
 Every index tensor is built on the host and copied once per forward, pinned and non-blocking: no host sync here.
 """
 
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.kv import host
-from harness.kv.base import attention
+from harness.kv.base import attention, eager_attention
 
 
 @dataclass(frozen=True)
@@ -190,8 +192,10 @@ def attend(
 
     decode_in_place(layer, q [b, H, D], rows) -> [b, H, D]: the strategy's kernel for the decoding sequences (CUDA's
     Triton kernel reads their blocks in place, lengths rows.decode_lens), in place of the gather and masked SDPA;
-    never with a window, which the kernel does not mask."""
+    never with a window, which the kernel does not mask, nor with attn_impl=eager."""
     cache.format.write(rows, layer, k, v, 0)
+    impl = cache.spec.attn_impl
+    masked_attention = F.scaled_dot_product_attention if impl != "eager" else eager_attention  # (q, k, v, mask)
     out = torch.empty_like(q)
     n_heads, head_dim = q.shape[1], q.shape[3]
     n_kv_heads = k.shape[1]
@@ -199,27 +203,27 @@ def attend(
     if decode:
         token_rows = rows.decode_token_rows  # [b] the decoding sequences' rows on the flattened axis
         q_d = q[0].index_select(1, token_rows).transpose(0, 1)  # [H, N, D] -> [b, H, D]
-        if decode_in_place is not None and batch.window is None:
+        if decode_in_place is not None and batch.window is None and impl != "eager":
             y = decode_in_place(layer, q_d.contiguous(), rows)  # [b, H, D]
         else:
             k_d, v_d = cache.format.read(rows.select("decode"), layer, rows.decode_keys, q.dtype)  # [b, H_kv, S, D]
             # GQA folded into the query axis (harness.kv.base.grouped_attention): [b, H_kv, G, D], one read per
             # K/V head
             q_d = q_d.reshape(len(decode), n_kv_heads, n_heads // n_kv_heads, head_dim)
-            y = F.scaled_dot_product_attention(q_d, k_d, v_d, attn_mask=rows.decode_mask)  # mask [b, 1, 1, S]
+            y = masked_attention(q_d, k_d, v_d, rows.decode_mask)  # mask [b, 1, 1, S]
         out[0].index_copy_(1, token_rows, y.reshape(len(decode), n_heads, head_dim).transpose(0, 1))  # [H, b, D]
     for i in batch.prefill_seqs:
         first, last, start, end = batch.offsets[i], batch.offsets[i + 1], batch.start_pos[i], batch.ends[i]
         k_i, v_i = cache.format.read(rows.select(i), layer, end, q.dtype)  # [1, H_kv, end, D]
         q_i = q[:, :, first:last]
         if batch.window is None:
-            out[:, :, first:last] = attention(q_i, k_i, v_i, start)
+            out[:, :, first:last] = attention(q_i, k_i, v_i, start, impl=impl)
         else:  # a band: query p reads keys p - window < j <= p
             q_pos = torch.arange(start, end, device=q.device)[:, None]
             k_pos = torch.arange(end, device=q.device)[None, :]
             band = (k_pos <= q_pos) & (k_pos > q_pos - batch.window)
             folded = q_i.reshape(1, n_kv_heads, (n_heads // n_kv_heads) * (last - first), head_dim)
             band = band.repeat(n_heads // n_kv_heads, 1)
-            y = F.scaled_dot_product_attention(folded, k_i, v_i, attn_mask=band)
+            y = masked_attention(folded, k_i, v_i, band)
             out[:, :, first:last] = y.view(1, n_heads, last - first, head_dim)
     return out

@@ -221,7 +221,7 @@ RUN_COLUMNS: tuple[Column, ...] = (
         "predicted_max_running",
         "int64",
         "",
-        "The planner's concurrency for the pool (harness.serve.budget.predict_concurrency); null: no prediction",
+        "The planner's concurrency for the pool (harness.serve.concurrency.predict_concurrency); null: none",
     ),
     Column("mean_kv_utilization", "float64", "", "Used / all blocks, mean over iterations"),
     Column("peak_kv_utilization", "float64", "", "Used / all blocks, at the fullest iteration"),

@@ -14,6 +14,7 @@ from typing import Any
 
 from harness.config import DTYPES, Workload, check_choice, device_type
 from harness.errors import ConfigError
+from harness.formats import ATTN_IMPLS
 from harness.serve.dataset import DATASETS, check_tokenizer_dir
 from harness.serve.engine import SERVE_KV_DTYPES
 from harness.serve.kv_manager import check_window, serving
@@ -23,9 +24,9 @@ from harness.serve.scheduler import SchedulerConfig
 from harness.serve.sustained import DEFAULT_SLO_ATTAINMENT, check_slo_attainment
 from harness.serve.tiered import check_tiers, split_tiers
 
-# Workload fields a serving run does not take: the stream sets the batch, the engine runs SDPA on a float or
+# Workload fields a serving run does not take: the stream sets the batch, the engine attends on a float or
 # per-token-scaled pool (no int4 groups, no MLA). Each must stay at its default, so that none is silently ignored.
-NOT_SERVED = ("batch_size", "kv_group_size", "kv_residual", "attn_impl", "mla_path")
+NOT_SERVED = ("batch_size", "kv_group_size", "kv_residual", "mla_path")
 DATASET_FIELDS = ("dataset", "dataset_path", "sharegpt_output_len")  # dataset=sharegpt's (check_dataset)
 SESSION_FIELDS = ("max_turns", "think_time_s")  # dataset=sharegpt-multiturn's alone
 DERIVED = {"cache": "strategy and block_size", "gen_len": "output_len"}  # set from these at construction
@@ -105,8 +106,8 @@ class ServeConfig(Workload):
         # serving run sets (harness.serve.tiered); the planner's cache stays the strategy's.
         rest, self.tier_options = split_tiers({"name": self.cache} if isinstance(self.cache, str) else self.cache)
         self.cache = rest or {"name": "contiguous"}  # only tier options given: the rest is the default
-        # The planner models a window as a ring per request, not as paged blocks: a windowed strategy's cache is its
-        # name alone (harness.serve.run.plan predicts no concurrency for it).
+        # A windowed strategy's cache is its name alone: its blocks are its storage's (Serving.storage), and the
+        # planner asks its serving manager what a request holds (harness.serve.concurrency.predict_concurrency).
         blocks = {"block_size": self.block_size} if served.paged and not served.windowed else {}
         derived = {"cache": {"name": self.strategy, **blocks}, "gen_len": self.output_len}
         defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
@@ -124,9 +125,13 @@ class ServeConfig(Workload):
         """The serving checks, each one line naming its field; the Workload's run on plan()'s workloads."""
         check_choice("dtype", self.dtype, tuple(DTYPES))
         check_choice("kv_dtype", self.kv_dtype_name, ("auto", *SERVE_KV_DTYPES))
+        check_choice("attn_impl", self.attn_impl, ATTN_IMPLS)  # eager: harness.kv.varlen.attend's scores written out
         check_choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
         self.check_dataset()
         check_window(self.strategy, self.sliding_window)
+        if self.sliding_window is not None and self.sliding_window >= self.max_model_len:
+            raise ConfigError(f"sliding_window: must be below max_model_len={self.max_model_len} (a window of a whole "
+                              f"request frees no block: strategy=paged), got {self.sliding_window}")  # fmt: skip
         check_tiers(self.strategy, self.tier_options)
         device_type(self.device)
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
@@ -170,6 +175,8 @@ class ServeConfig(Workload):
         if self.dataset == "random":
             for name in DATASET_FIELDS:
                 del out[name]
+        if self.attn_impl == "sdpa":  # so an sdpa run's keys stay those recorded before eager served
+            del out["attn_impl"]
         if self.dataset != "sharegpt-multiturn":  # so a sharegpt run's keys stay those recorded before sessions
             for name in SESSION_FIELDS:
                 del out[name]

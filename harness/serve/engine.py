@@ -64,11 +64,12 @@ def build_cache(
     max_model_len: int,
     device: torch.device,
     dtype: str | None = None,
+    attn_impl: str = "sdpa",
 ):
     """The KV tensors of a serving pool of num_blocks blocks of block_size tokens, at kv_dtype, in the cache of the
     strategy's Serving.storage. (cache, num_slots): a slots pool cuts the same tokens into num_slots =
     num_blocks·block_size // max_model_len slots of max_model_len (None for a blocks pool). args: the model's
-    harness.modeling.model_args.ModelArgs."""
+    harness.modeling.model_args.ModelArgs; attn_impl: its spec's, which harness.kv.varlen.attend runs."""
     declared = serving(strategy)
     if kv_dtype not in SERVE_KV_DTYPES:
         raise ConfigError(f"kv_dtype: serving stores per-token formats; allowed: {', '.join(SERVE_KV_DTYPES)}, "
@@ -80,12 +81,12 @@ def build_cache(
             raise ConfigError(f"kv budget: {num_blocks * block_size} tokens hold no slot of max_model_len="
                               f"{max_model_len} tokens")  # fmt: skip
         spec = CacheSpec.for_model(args, batch_size=num_slots, max_tokens=max_model_len, kv_dtype=kv_dtype,
-                                   device=device, dtype=dtype)  # fmt: skip
+                                   device=device, dtype=dtype, attn_impl=attn_impl)  # fmt: skip
         return kv.build(storage, spec, {}), num_slots
     # One pool for every blocks strategy (its storage, a harness.kv.paged pool): sharing and what a window frees are
     # the scheduler's block tables, the only ones, which each forward's SeqBatch brings (for_scheduler).
     spec = CacheSpec.for_model(args, batch_size=1, max_tokens=block_size, kv_dtype=kv_dtype, device=device,
-                               dtype=dtype)  # fmt: skip
+                               dtype=dtype, attn_impl=attn_impl)  # fmt: skip
     options = kv.parse_options(storage, {"block_size": block_size, "pool_tokens": num_blocks * block_size})
     return paged.PagedCache.for_scheduler(spec, options), None
 

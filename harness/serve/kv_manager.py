@@ -119,6 +119,11 @@ class KVManager(Protocol):
 
     def peak_blocks(self, num_tokens: int, *, max_chunk_tokens: int) -> int: ...
 
+    def admission_blocks(self, prompt_len: int, *, max_chunk_tokens: int) -> int:
+        """Blocks a request takes to be admitted, no prefix hit: its first chunk's, min(prompt_len, max_chunk_tokens)
+        tokens, as the scheduler's admission allocates (harness.serve.concurrency's burst)."""
+        ...
+
     def fits_alone(self, num_tokens: int, *, max_chunk_tokens: int, watermark_blocks: int) -> bool: ...
 
     def prefix_hit_tokens(self, request_id: int) -> int: ...
@@ -260,6 +265,10 @@ class PagedKVManager:
             return whole
         return min(whole, blocks_for(self.sliding_window + max_chunk_tokens - 1, self.block_size) + 1)
 
+    def admission_blocks(self, prompt_len: int, *, max_chunk_tokens: int) -> int:
+        """The first chunk's blocks: computed from position 0, so a window has freed none yet."""
+        return blocks_for(min(prompt_len, max_chunk_tokens), self.block_size)
+
     def fits_alone(self, num_tokens: int, *, max_chunk_tokens: int, watermark_blocks: int) -> bool:
         """Whether a request of num_tokens tokens runs in the empty pool: its peak plus the watermark (vLLM v0's
         AllocStatus.NEVER is the opposite), so that admission alone never blocks the queue for good."""
@@ -330,6 +339,9 @@ class ContiguousKVManager:
 
     def peak_blocks(self, num_tokens: int, *, max_chunk_tokens: int) -> int:
         return blocks_for(self.max_model_len, self.block_size)  # the whole slot, whatever the request's length
+
+    def admission_blocks(self, prompt_len: int, *, max_chunk_tokens: int) -> int:
+        return blocks_for(self.max_model_len, self.block_size)  # the whole slot, reserved at admission
 
     def fits_alone(self, num_tokens: int, *, max_chunk_tokens: int, watermark_blocks: int) -> bool:
         return self.num_slots >= 1 and num_tokens <= self.max_model_len

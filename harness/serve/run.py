@@ -15,11 +15,12 @@ import torch
 from harness.config import DTYPES, Workload, device_type
 from harness.errors import ConfigError
 from harness.modeling.model import build_model
-from harness.serve.budget import KVBudget, bytes_per_block, check_pool_fits, kv_budget, predict_concurrency
+from harness.serve.budget import KVBudget, bytes_per_block, check_pool_fits, kv_budget
+from harness.serve.concurrency import predict_concurrency
 from harness.serve.config import ServeConfig
 from harness.serve.dataset import check_vocab, dataset_columns, load_tokenizer, sample_sharegpt
 from harness.serve.engine import Engine, build_cache, check_servable, serve
-from harness.serve.kv_manager import make_kv_manager, num_blocks_for, serving
+from harness.serve.kv_manager import make_kv_manager, num_blocks_for
 from harness.serve.metrics import request_row, run_metrics
 from harness.serve.multiturn import Sessions, sample_sessions
 from harness.serve.requests import RequestSpec, describe, generate, prompt_token_ids, read_trace
@@ -55,7 +56,6 @@ class Plan:
 def plan(cfg: ServeConfig) -> Plan:
     """The checks that need the stream or the model, after ServeConfig's own, in the order a user fixes them; a
     ConfigError names the field."""
-    served = serving(cfg.strategy)
     kv_dtype, device = cfg.kv_dtype_name, device_type(cfg.device)  # "auto" resolved (harness.config, the one place)
     scheduler_config = cfg.scheduler_config()
     prompt_ids, sessions, dataset = None, None, dataset_columns("trace" if cfg.trace is not None else cfg.dataset)
@@ -94,12 +94,13 @@ def plan(cfg: ServeConfig) -> Plan:
     for request in requests:
         probe.add_request(request)
     predicted = None
-    # The planner models a window as a ring per request, not as paged blocks, and an open stream, not sessions
-    # whose turns wait on each other.
-    if not served.windowed and sessions is None:
+    # The planner models an open stream, not sessions whose turns wait on each other. A strategy whose serving
+    # manager caps what a request holds (Serving.caps_blocks: sliding's window) is predicted by that manager.
+    if sessions is None:
         predicted = predict_concurrency(
             cfg.workload(kv_dtype=kv_dtype), requests, kv_budget_bytes=budget.kv_bytes,
             max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, watermark=cfg.watermark,
+            kv_manager=probe.kv, max_num_batched_tokens=cfg.max_num_batched_tokens,
         ).predicted_max_running  # fmt: skip
     text_ids = read_text_ids(cfg.text_ids) if cfg.text_ids is not None else None
     make_disk_dir(cfg.tier_options)  # one line for a disk_dir that cannot be made, before the model is built
@@ -180,7 +181,7 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
                         n_positions=cfg.max_model_len)  # fmt: skip
     cache, num_slots = build_cache(cfg.strategy, args, kv_dtype=p.kv_dtype, num_blocks=p.num_blocks,
                                    block_size=cfg.block_size, max_model_len=cfg.max_model_len, device=device,
-                                   dtype=cfg.dtype)  # fmt: skip
+                                   dtype=cfg.dtype, attn_impl=cfg.attn_impl)  # fmt: skip
     tiers = None
     if cfg.tier_options.enabled:
         from harness.run.point import model_id  # the weights' identity, which the disk tier files blocks under

@@ -10,7 +10,8 @@ import pytest
 from harness.analytic.activations import forward_bytes
 from harness.analytic.ledger import kv_bytes_allocated, kv_bytes_per_token, ledger
 from harness.config import Workload
-from harness.serve.budget import kv_budget, predict_concurrency
+from harness.serve.budget import kv_budget
+from harness.serve.concurrency import predict_concurrency
 from harness.serve.requests import Request
 
 LATENT_ROW = 512 + 64  # kv_lora_rank + qk_rope_head_dim: c_kv and the shared RoPE key

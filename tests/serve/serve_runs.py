@@ -39,7 +39,7 @@ def step_time_s(output) -> float:
 
 
 def predicted_max_running(strategy: str, prompt_lens: list[int]) -> int:
-    """A stand-in for the planner's figure (harness.serve.budget.predict_concurrency, which needs a model's
+    """A stand-in for the planner's figure (harness.serve.concurrency.predict_concurrency, which needs a model's
     Workload): contiguous reserves max_model_len per request; paged admits prompts while their blocks fit."""
     if strategy == "contiguous":
         return min(NUM_BLOCKS // (MAX_MODEL_LEN // BLOCK_SIZE), MAX_NUM_SEQS)

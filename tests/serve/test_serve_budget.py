@@ -23,9 +23,9 @@ from harness.serve.budget import (
     concurrency_needed,
     kv_budget,
     kv_budget_bytes,
-    predict_concurrency,
     replicas_needed,
 )
+from harness.serve.concurrency import predict_concurrency
 from harness.serve.requests import Request
 
 SMALL = ModelArgs.from_name("small")

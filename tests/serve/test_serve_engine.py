@@ -15,6 +15,7 @@ import torch
 
 from harness import kv
 from harness.errors import Unsupported
+from harness.kv import base, varlen
 from harness.kv.base import CacheSpec
 from harness.modeling.model import build_model
 from harness.modeling.model_args import ModelArgs
@@ -54,12 +55,12 @@ def solo_reference(
     return tokens[0], logits[0]
 
 
-def run_engine(requests, prompts, *, strategy="paged", num_blocks=256, window=None, **knobs):
+def run_engine(requests, prompts, *, strategy="paged", num_blocks=256, window=None, attn_impl="sdpa", **knobs):
     manager = make_kv_manager(strategy, num_blocks=num_blocks, block_size=BLOCK, max_model_len=MAX_MODEL_LEN,
                               sliding_window=window)  # fmt: skip
     scheduler = Scheduler(SchedulerConfig(max_model_len=MAX_MODEL_LEN, **knobs), manager)
     cache, num_slots = build_cache(strategy, ARGS, kv_dtype="fp32", num_blocks=num_blocks, block_size=BLOCK,
-                                   max_model_len=MAX_MODEL_LEN, device=CPU)  # fmt: skip
+                                   max_model_len=MAX_MODEL_LEN, device=CPU, attn_impl=attn_impl)  # fmt: skip
     engine = Engine(model(), cache, num_slots=num_slots, window=window)
     iterations = []
     result = serve(requests, prompts, scheduler=scheduler, engine=engine,
@@ -123,6 +124,42 @@ def test_sliding_window_on_the_paged_pool_matches_the_ring_cache():
     # A window of 8 tokens holds at most ceil((8 + 16 - 1) / 4) + 1 = 7 blocks per request, whatever its length.
     assert max(len(s.blocks.held()[1]) for o in iterations for s in o.scheduled) <= 7
     assert_solo_equal(requests, prompts, result, cache="sliding", window=8)
+
+
+@pytest.mark.parametrize(("strategy", "window"), [("contiguous", None), ("paged", None), ("sliding", 8)])
+def test_eager_attention_serves_the_tokens_sdpa_serves_and_solo_decoding_gives(strategy, window, monkeypatch):
+    """Issue #30 1c: attn_impl=eager in serving runs the decode batch's masked gather and every prefill chunk
+    (causal, or banded for a window) through eager_attention's written-out scores; in fp32 its greedy tokens are
+    SDPA serving's, exactly, and solo decoding's."""
+    requests, prompts = mixed_requests()
+    sdpa, _ = run_engine(requests, prompts, strategy=strategy, window=window, max_num_batched_tokens=16)
+    calls = []
+    for module in (base, varlen):  # varlen's decode and band call it directly; a causal chunk through base.attention
+        monkeypatch.setattr(module, "eager_attention", lambda *a, _f=module.eager_attention, **k: calls.append(1)
+                            or _f(*a, **k))  # fmt: skip
+    eager, iterations = run_engine(requests, prompts, strategy=strategy, window=window, attn_impl="eager",
+                                   max_num_batched_tokens=16)  # fmt: skip
+    assert any(o.num_prefill_tokens and o.num_decode_tokens for o in iterations), "no mixed iteration"
+    # per layer, one call for an iteration's decode batch (its one-token entries) and one per longer chunk
+    readings = [any(s.num_new_tokens == 1 for s in o.scheduled) + sum(s.num_new_tokens > 1 for s in o.scheduled)
+                for o in iterations]  # fmt: skip
+    assert len(calls) == ARGS.n_layers * sum(readings)
+    assert eager.outputs == sdpa.outputs
+    assert_solo_equal(requests, prompts, eager, cache="sliding" if window else "contiguous", window=window or 0)
+
+
+def test_eager_attention_turns_off_a_pools_own_decode_kernel():
+    """As in the static path (harness.config: eager also turns off a strategy's own decode kernels): the decode
+    batch goes through the gather and eager's scores, never the pool's kernel, whatever its attn_backend says."""
+    requests, prompts = mixed_requests(4)
+    manager = make_kv_manager("paged", num_blocks=64, block_size=BLOCK, max_model_len=MAX_MODEL_LEN)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=MAX_MODEL_LEN), manager)
+    cache, _ = build_cache("paged", ARGS, kv_dtype="fp32", num_blocks=64, block_size=BLOCK,
+                           max_model_len=MAX_MODEL_LEN, device=CPU, attn_impl="eager")  # fmt: skip
+    cache.attn_backend = "triton-paged"  # what CUDA would run for sdpa (harness.kv.paged_attend.decode_backend)
+    cache._varlen_decode = lambda *args: pytest.fail("the pool's decode kernel ran under attn_impl=eager")
+    result = serve(requests, prompts, scheduler=scheduler, engine=Engine(model(), cache))
+    assert_solo_equal(requests, prompts, result)
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
