@@ -25,8 +25,11 @@ from harness.serve.sustained import DEFAULT_SLO_ATTAINMENT, check_slo_attainment
 from harness.serve.tiered import check_tiers, split_tiers
 
 # Workload fields a serving run does not take: the stream sets the batch, the engine attends on a float or
-# per-token-scaled pool (no int4 groups, no MLA). Each must stay at its default, so that none is silently ignored.
-NOT_SERVED = ("batch_size", "kv_group_size", "kv_residual", "mla_path")
+# per-token-scaled pool (no int4 groups). Each must stay at its default, so that none is silently ignored.
+NOT_SERVED = ("batch_size", "kv_group_size", "kv_residual")
+# Fields served later than the first recorded runs: recorded only when set away from their default, so that a run
+# at the default keeps the config keys recorded before the field served (the run row records slo_attainment anyway).
+RECORDED_IF_SET = {"attn_impl": "sdpa", "mla_path": "absorbed", "slo_attainment": DEFAULT_SLO_ATTAINMENT}
 DATASET_FIELDS = ("dataset", "dataset_path", "sharegpt_output_len")  # dataset=sharegpt's (check_dataset)
 SESSION_FIELDS = ("max_turns", "think_time_s")  # dataset=sharegpt-multiturn's alone
 DERIVED = {"cache": "strategy and block_size", "gen_len": "output_len"}  # set from these at construction
@@ -175,13 +178,12 @@ class ServeConfig(Workload):
         if self.dataset == "random":
             for name in DATASET_FIELDS:
                 del out[name]
-        if self.attn_impl == "sdpa":  # so an sdpa run's keys stay those recorded before eager served
-            del out["attn_impl"]
+        for name, default in RECORDED_IF_SET.items():
+            if out[name] == default:
+                del out[name]
         if self.dataset != "sharegpt-multiturn":  # so a sharegpt run's keys stay those recorded before sessions
             for name in SESSION_FIELDS:
                 del out[name]
-        if self.slo_attainment == DEFAULT_SLO_ATTAINMENT:  # the run row's slo_attainment_target records it anyway
-            del out["slo_attainment"]  # so a run at the default keeps the keys recorded before it existed
         out["model"] = asdict(self.model) if not isinstance(self.model, dict) else self.model
         if self.tier_options.enabled:  # a run without tiers keeps the keys recorded before them
             out["cache"] = self.tier_options.as_dict()

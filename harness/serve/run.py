@@ -20,7 +20,7 @@ from harness.serve.concurrency import predict_concurrency
 from harness.serve.config import ServeConfig
 from harness.serve.dataset import check_vocab, dataset_columns, load_tokenizer, sample_sharegpt
 from harness.serve.engine import Engine, build_cache, check_servable, serve
-from harness.serve.kv_manager import make_kv_manager, num_blocks_for
+from harness.serve.kv_manager import make_kv_manager, num_blocks_for, serving
 from harness.serve.metrics import request_row, run_metrics
 from harness.serve.multiturn import Sessions, sample_sessions
 from harness.serve.requests import RequestSpec, describe, generate, prompt_token_ids, read_trace
@@ -73,7 +73,7 @@ def plan(cfg: ServeConfig) -> Plan:
         requests = generate(spec)
     # The planner's workload: the paged layout prices a block (every strategy's pool is one of blocks here).
     paged = cfg.workload(kv_dtype=kv_dtype, cache={"name": "paged", "block_size": cfg.block_size})
-    check_servable(paged.model_args(), attn_impl=cfg.attn_impl, windowed=served.windowed)
+    check_servable(paged.model_args(), attn_impl=cfg.attn_impl, windowed=serving(cfg.strategy).windowed)
     if prompt_ids is not None:
         check_vocab(prompt_ids, vocab_size=paged.model_args().vocab_size)
     knobs = dict(max_model_len=cfg.max_model_len, device=device, max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -178,7 +178,7 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
     cfg, device = p.cfg, torch.device(p.device)
     args = p.workload.model_args()
     model = build_model(args, weights=cfg.weights, dtype=DTYPES[cfg.dtype], device=device, seed=cfg.seed,
-                        n_positions=cfg.max_model_len)  # fmt: skip
+                        n_positions=cfg.max_model_len, mla_path=cfg.mla_path)  # fmt: skip
     cache, num_slots = build_cache(cfg.strategy, args, kv_dtype=p.kv_dtype, num_blocks=p.num_blocks,
                                    block_size=cfg.block_size, max_model_len=cfg.max_model_len, device=device,
                                    dtype=cfg.dtype, attn_impl=cfg.attn_impl)  # fmt: skip

@@ -78,7 +78,7 @@ def test_the_recorded_config_has_the_keys_of_the_committed_reference_runs():
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("mla_path=naive", "^mla_path: a serving run does not take it; allowed: absorbed$"),
+        ("kv_residual=32", "^kv_residual: a serving run does not take it; allowed: 0$"),
         ("batch_size=4", "^batch_size: a serving run does not take it; allowed: 1$"),
         ("gen_len=8", "^gen_len: set from output_len in a serving run; allowed: leave it unset$"),
     ],
