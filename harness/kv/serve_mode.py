@@ -25,6 +25,9 @@ class Serving:
     storage: str = ""
     shares_prefix: bool = False  # requests share the cached blocks of a common prompt prefix (vLLM's enable_caching)
     windowed: bool = False  # a query reads its last sliding_window keys; the blocks before them are freed
+    # Whether its logits are exact serving's (paged at the same kv_dtype): False for one that drops K/V a query would
+    # read (a window, an eviction policy), whose run then measures what that costs (harness.serve.accuracy).
+    exact: bool = True
     refusal: str = ""  # why it does not serve: the one line a serving run is refused with
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ import torch
 from harness.config import DTYPES, Workload, device_type
 from harness.errors import ConfigError
 from harness.modeling.model import build_model
+from harness.serve.accuracy import served_accuracy
 from harness.serve.budget import KVBudget, bytes_per_block, check_pool_fits, kv_budget, predict_concurrency
 from harness.serve.config import ServeConfig
 from harness.serve.dataset import check_vocab, dataset_columns, load_tokenizer, sample_sharegpt
@@ -249,6 +250,9 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
     }
     if p.sessions is not None:
         row["ttft_ms_by_turn"] = p.sessions.ttft_ms_by_turn(result.records)
+    # A lossy strategy's accuracy against exact serving, after the figures above so that it times nothing
+    row |= served_accuracy(p, model=model, args=args, cache=cache, num_slots=num_slots,
+                           prompt_ids=p.prompt_ids if p.prompt_ids is not None else prompts)  # fmt: skip
     writer.close(row, config=cfg.config_dict())
     return row
 
