@@ -34,7 +34,7 @@ import torch
 from harness.errors import ConfigError
 from harness.measure.accuracy import kl_per_step
 from harness.serve.engine import Engine, build_cache, serve
-from harness.serve.kv_manager import make_kv_manager, serving
+from harness.serve.kv_manager import KVManager, make_kv_manager, serving
 from harness.serve.metrics import ACCURACY_RUN_COLUMNS
 from harness.serve.requests import Request
 from harness.serve.scheduler import Scheduler, SchedulerConfig
@@ -68,47 +68,54 @@ def accuracy_requests(value: int | None, stream_len: int) -> int:
 
 @dataclass(frozen=True)
 class Pool:
-    """How one pass serves: the strategy its KV manager keeps the books of, the cache its engine reads (built by
-    harness.serve.engine.build_cache), the pool's size, and the window a query reads (sliding's; None: all)."""
+    """How one pass serves: its engine (new_engine(forced=, on_logprobs=), over the pass's cache) and its KV
+    manager (new_manager()), each built fresh per pass. The run's pass is built by the run's own factories
+    (harness.serve.run._serve_into), so the lossy pass serves exactly as the run did."""
 
-    strategy: str
-    cache: Any
-    num_blocks: int
-    num_slots: int | None = None
-    window: int | None = None
+    new_engine: Callable[..., Engine]
+    new_manager: Callable[[], KVManager]
+
+
+def pool(model: torch.nn.Module, cache, *, strategy: str, num_blocks: int, block_size: int, max_model_len: int,
+         num_slots: int | None = None, window: int | None = None) -> Pool:  # fmt: skip
+    """A pass over `cache` (built by harness.serve.engine.build_cache) with make_kv_manager's manager of
+    `strategy`: the exact reference's, and the tests'."""
+
+    def new_engine(**forcing) -> Engine:
+        return Engine(model, cache, num_slots=num_slots, window=window, **forcing)
+
+    def new_manager() -> KVManager:
+        return make_kv_manager(strategy, num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
+                               sliding_window=window)  # fmt: skip
+
+    return Pool(new_engine, new_manager)
 
 
 def forced_pass(
     requests: Sequence[Request],
     prompt_ids: Sequence[Sequence[int]],
     *,
-    model: torch.nn.Module,
     pool: Pool,
     scheduler_config: SchedulerConfig,
-    block_size: int,
     on_logprobs: Callable[[int, int, torch.Tensor], None],
     forced: dict[int, list[int]] | None = None,
 ) -> dict[int, list[int]]:
     """Serve `requests` on `pool` with every arrival at t = 0, appending the forced tokens (None: greedy ones), and
     hand each sampling position's log-probabilities to on_logprobs(request id, output index, [V] fp32 host).
     Returns request id -> its output tokens (the forced ones, when forced)."""
-    manager = make_kv_manager(pool.strategy, num_blocks=pool.num_blocks, block_size=block_size,
-                              max_model_len=scheduler_config.max_model_len, sliding_window=pool.window)  # fmt: skip
-    engine = Engine(model, pool.cache, num_slots=pool.num_slots, window=pool.window, forced=forced,
-                    on_logprobs=on_logprobs)  # fmt: skip
+    engine = pool.new_engine(forced=forced, on_logprobs=on_logprobs)
+    scheduler = Scheduler(scheduler_config, pool.new_manager())
     at_once = [dataclasses.replace(request, arrival_s=0.0) for request in requests]
-    return serve(at_once, prompt_ids, scheduler=Scheduler(scheduler_config, manager), engine=engine).outputs
+    return serve(at_once, prompt_ids, scheduler=scheduler, engine=engine).outputs
 
 
 def compare_served(
     requests: Sequence[Request],
     prompt_ids: Sequence[Sequence[int]],
     *,
-    model: torch.nn.Module,
     exact: Pool,
     lossy: Pool,
     scheduler_config: SchedulerConfig,
-    block_size: int,
 ) -> dict[str, float | int]:
     """The exact pass, then the lossy one forced on its outputs; the columns over every output position."""
     reference: dict[tuple[int, int], torch.Tensor] = {}
@@ -116,8 +123,7 @@ def compare_served(
     def keep(request_id: int, index: int, logprobs: torch.Tensor) -> None:
         reference[request_id, index] = logprobs
 
-    common = dict(model=model, scheduler_config=scheduler_config, block_size=block_size)
-    outputs = forced_pass(requests, prompt_ids, pool=exact, on_logprobs=keep, **common)
+    outputs = forced_pass(requests, prompt_ids, pool=exact, scheduler_config=scheduler_config, on_logprobs=keep)
     kl, agree = [], []
 
     def measure(request_id: int, index: int, logprobs: torch.Tensor) -> None:
@@ -125,7 +131,8 @@ def compare_served(
         kl.append(kl_per_step(exact_row, logprobs).item())
         agree.append(int(exact_row.argmax()) == int(logprobs.argmax()))
 
-    forced = forced_pass(requests, prompt_ids, pool=lossy, on_logprobs=measure, forced=outputs, **common)
+    forced = forced_pass(requests, prompt_ids, pool=lossy, scheduler_config=scheduler_config, on_logprobs=measure,
+                         forced=outputs)  # fmt: skip
     assert forced == outputs, "the lossy pass must append the exact pass's tokens"
     assert not reference, f"{len(reference)} exact positions the lossy pass never reached"
     return summarize(kl, agree)
@@ -144,30 +151,28 @@ def summarize(kl: Sequence[float], agree: Sequence[bool]) -> dict[str, float | i
 
 
 def served_accuracy(
-    p, *, model: torch.nn.Module, args, cache, num_slots: int | None, prompt_ids: Sequence[Sequence[int]]
+    p, *, model: torch.nn.Module, args, cache, lossy: Pool, prompt_ids: Sequence[Sequence[int]]
 ) -> dict[str, Any]:
     """A run's accuracy columns (harness.serve.run._serve_into, after the run row's figures): {} for a strategy whose
-    Serving declares it exact, or accuracy_requests=0. p: the run's harness.serve.run.Plan; cache and num_slots:
-    the run's pool, which the lossy pass reuses (its blocks are written before they are read, as warm_up's). The
-    exact pass reuses it too when it is a paged pool; else a paged pool just large enough for its requests."""
+    Serving declares it exact, or accuracy_requests=0. p: the run's harness.serve.run.Plan; lossy: the run's own
+    engine and manager, over its pool `cache` (whose blocks are written before they are read, as warm_up's). The
+    exact pass reuses that pool when it is a paged one; else a paged pool just large enough for its requests."""
     cfg = p.cfg
     n = accuracy_requests(cfg.accuracy_requests, len(p.requests))
-    if n == 0 or serving(cfg.strategy).exact:
+    declared = serving(cfg.strategy)
+    if n == 0 or declared.exact:
         return {}
     requests, prompts = p.requests[:n], prompt_ids[:n]  # the first n in stream order: the same on every rerun
-    declared = serving(cfg.strategy)
-    lossy = Pool(cfg.strategy, cache, p.num_blocks, num_slots, cfg.sliding_window)
-    if declared.paged and (declared.storage or cfg.strategy) == EXACT_STRATEGY:
-        exact = Pool(EXACT_STRATEGY, cache, p.num_blocks)
-    else:
+    exact_cache, num_blocks = cache, p.num_blocks
+    if not (declared.paged and (declared.storage or cfg.strategy) == EXACT_STRATEGY):
         blocks = sum(math.ceil((r.prompt_len + r.output_len) / cfg.block_size) for r in requests)
-        need = math.ceil(blocks / (1 - cfg.watermark)) + 1  # all of them at once, above the admission watermark
-        exact_cache, _ = build_cache(EXACT_STRATEGY, args, kv_dtype=p.kv_dtype, num_blocks=need,
+        num_blocks = math.ceil(blocks / (1 - cfg.watermark)) + 1  # all of them at once, above the admission watermark
+        exact_cache, _ = build_cache(EXACT_STRATEGY, args, kv_dtype=p.kv_dtype, num_blocks=num_blocks,
                                      block_size=cfg.block_size, max_model_len=cfg.max_model_len,
                                      device=next(model.parameters()).device, dtype=cfg.dtype)  # fmt: skip
-        exact = Pool(EXACT_STRATEGY, exact_cache, need)
-    columns = compare_served(requests, prompts, model=model, exact=exact, lossy=lossy,
-                             scheduler_config=p.scheduler_config, block_size=cfg.block_size)  # fmt: skip
+    exact = pool(model, exact_cache, strategy=EXACT_STRATEGY, num_blocks=num_blocks, block_size=cfg.block_size,
+                 max_model_len=cfg.max_model_len)  # fmt: skip
+    columns = compare_served(requests, prompts, exact=exact, lossy=lossy, scheduler_config=p.scheduler_config)
     columns |= {"accuracy_requests": n, "accuracy_reference": f"{EXACT_STRATEGY} {p.kv_dtype}"}
     assert tuple(columns) == ACCURACY_RUN_COLUMNS, "the run row's accuracy columns are metrics' (null without)"
     return columns

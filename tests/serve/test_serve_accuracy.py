@@ -13,14 +13,15 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import experiments.serve  # noqa: F401  (registers serve_config in Hydra's ConfigStore)
+from harness import kv
 from harness.errors import ConfigError
 from harness.modeling.model import build_model
 from harness.modeling.model_args import ModelArgs
+from harness.serve import accuracy
 from harness.serve import run as app
-from harness.serve.accuracy import Pool, check_accuracy_requests, compare_served
+from harness.serve.accuracy import check_accuracy_requests, compare_served
 from harness.serve.config import ServeConfig
-from harness.serve.engine import Engine, build_cache, serve
-from harness.serve.kv_manager import make_kv_manager
+from harness.serve.engine import build_cache, serve
 from harness.serve.metrics import ACCURACY_RUN_COLUMNS
 from harness.serve.requests import RequestSpec, generate, prompt_token_ids
 from harness.serve.rows import load_run, serve_run_dir
@@ -55,10 +56,11 @@ def stream(n: int = 5):
     return requests, prompt_token_ids(requests, vocab_size=ARGS.vocab_size, seed=3)
 
 
-def pool(strategy: str = "paged", window: int | None = None, num_blocks: int = 128) -> Pool:
+def pool(strategy: str = "paged", window: int | None = None, num_blocks: int = 128) -> accuracy.Pool:
     cache, _ = build_cache(strategy, ARGS, kv_dtype="fp32", num_blocks=num_blocks, block_size=BLOCK,
                            max_model_len=MAX_MODEL_LEN, device=CPU)  # fmt: skip
-    return Pool(strategy, cache, num_blocks, window=window)
+    return accuracy.pool(model(), cache, strategy=strategy, num_blocks=num_blocks, block_size=BLOCK,
+                         max_model_len=MAX_MODEL_LEN, window=window)  # fmt: skip
 
 
 SCHEDULER = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=40)  # prompts chunked
@@ -81,22 +83,21 @@ def test_forced_tokens_are_appended_and_every_sampling_position_is_handed_once()
         assert (request_id, index) not in seen
         seen[request_id, index] = logprobs
 
-    manager = make_kv_manager("paged", num_blocks=128, block_size=BLOCK, max_model_len=MAX_MODEL_LEN)
-    engine = Engine(model(), pool().cache, forced=forced, on_logprobs=hand)
-    outputs = serve(requests, prompts, scheduler=Scheduler(SCHEDULER, manager), engine=engine).outputs
+    paged = pool()
+    engine = paged.new_engine(forced=forced, on_logprobs=hand)
+    outputs = serve(requests, prompts, scheduler=Scheduler(SCHEDULER, paged.new_manager()), engine=engine).outputs
     assert outputs == forced
     assert set(seen) == {(r.request_id, i) for r in requests for i in range(r.output_len)}
     row = next(iter(seen.values()))
     assert row.dtype == torch.float32 and row.device == CPU and row.shape == (ARGS.vocab_size,)
     assert row.exp().sum().item() == pytest.approx(1.0, abs=1e-4)  # log-probabilities, not logits
     with pytest.raises(ValueError, match="3 forced tokens for output_len"):
-        Engine(model(), pool().cache, forced={requests[0].request_id: [1, 2, 3]}).add_request(requests[0], prompts[0])
+        pool().new_engine(forced={requests[0].request_id: [1, 2, 3]}).add_request(requests[0], prompts[0])
 
 
 def test_exact_serving_against_itself_costs_nothing():
     requests, prompts = stream()
-    columns = compare_served(requests, prompts, model=model(), exact=pool(), lossy=pool(),
-                             scheduler_config=SCHEDULER, block_size=BLOCK)  # fmt: skip
+    columns = compare_served(requests, prompts, exact=pool(), lossy=pool(), scheduler_config=SCHEDULER)
     assert columns["accuracy_kl_max"] == pytest.approx(0.0, abs=1e-6)
     assert columns["accuracy_top1_agreement"] == 1.0
     assert columns["accuracy_tokens"] == sum(r.output_len for r in requests)
@@ -104,7 +105,7 @@ def test_exact_serving_against_itself_costs_nothing():
 
 def test_a_window_shorter_than_the_prompts_costs_kl_and_one_as_long_as_them_does_not():
     requests, prompts = stream()
-    kwargs = dict(model=model(), scheduler_config=SCHEDULER, block_size=BLOCK)
+    kwargs = dict(scheduler_config=SCHEDULER)
     short = compare_served(requests, prompts, exact=pool(), lossy=pool("sliding", window=6), **kwargs)
     assert short["accuracy_kl_mean"] > 1e-4  # dummy weights: small, but far above rounding
     assert short["accuracy_kl_max"] >= short["accuracy_kl_p99"] >= short["accuracy_kl_mean"] > 0
@@ -155,3 +156,10 @@ def test_smollm2_on_sharegpt_with_a_window_measures_its_cost_on_the_real_model(t
     # ShareGPT prompts run far past 32 tokens: a trained model reading its last 32 keys loses real probability mass
     assert run["accuracy_kl_mean"] > 1e-3 and run["accuracy_kl_max"] >= run["accuracy_kl_mean"]
     assert 0.0 <= run["accuracy_top1_agreement"] <= 1.0
+
+
+def test_a_served_strategy_is_exact_unless_its_layout_drops_keys():
+    """Serving.exact and the static sweep's Layout.lossy say one thing: a strategy that serves lossy (evict, once it
+    serves) must declare exact=False, or its runs would leave its accuracy unmeasured."""
+    for name in kv.serving_names():
+        assert kv.serving(name).exact == (not kv.layout(name, {}).lossy), name
