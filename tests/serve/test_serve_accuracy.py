@@ -26,6 +26,7 @@ from harness.serve.metrics import ACCURACY_RUN_COLUMNS
 from harness.serve.requests import RequestSpec, generate, prompt_token_ids
 from harness.serve.rows import load_run, serve_run_dir
 from harness.serve.scheduler import Scheduler, SchedulerConfig
+from harness.serve.summary import summary_lines
 from tests.serve.test_serve_experiment import ROOT
 
 CPU = torch.device("cpu")
@@ -127,6 +128,9 @@ def test_a_sliding_run_row_carries_its_accuracy_and_a_paged_one_leaves_it_null(t
     assert sliding["accuracy_kl_mean"] > 0 and 0 <= sliding["accuracy_top1_agreement"] <= 1
     assert sliding["accuracy_tokens"] == 4 * 6 and sliding["accuracy_requests"] == 4
     assert sliding["accuracy_reference"] == "paged fp32"
+    printed = summary_lines(sliding, tmp_path)[-1]
+    assert printed.startswith("  accuracy     KL vs paged fp32 mean ") and "over 24 tokens of the first 4" in printed
+    assert not any("accuracy" in line for line in summary_lines(paged, tmp_path))
     assert all(paged[name] is None or (isinstance(paged[name], float) and math.isnan(paged[name]))
                for name in ACCURACY_RUN_COLUMNS)  # fmt: skip
     assert "accuracy_requests" not in config(*TINY, "strategy=paged").config_dict()  # the keys recorded before it
