@@ -29,6 +29,9 @@ class Serving:
     # has left): the planner then asks that manager what a request takes (KVManager.admission_blocks, peak_blocks)
     # instead of this strategy's static layout (harness.serve.concurrency.predict_concurrency).
     caps_blocks: bool = False
+    # Whether its logits are exact serving's (paged at the same kv_dtype): False for one that drops K/V a query would
+    # read (a window, an eviction policy), whose run then measures what that costs (harness.serve.accuracy).
+    exact: bool = True
     refusal: str = ""  # why it does not serve: the one line a serving run is refused with
 
     def __post_init__(self) -> None:

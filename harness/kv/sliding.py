@@ -283,4 +283,4 @@ STRATEGY = SlidingCache
 LAYOUT = SlidingLayout
 # A ring per sequence cannot be addressed by block: served from the paged pool, under the window's mask, the
 # blocks before the window freed by the scheduler (vLLM's SlidingWindowManager); no sinks.
-SERVING = Serving(pool="blocks", storage="paged", windowed=True, caps_blocks=True)
+SERVING = Serving(pool="blocks", storage="paged", windowed=True, caps_blocks=True, exact=False)

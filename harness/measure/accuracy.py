@@ -37,11 +37,18 @@ def teacher_forced_logits(model: torch.nn.Module, cache: KVCache, prompt: torch.
     return torch.stack(steps, dim=1)
 
 
-def compare(exact: torch.Tensor, lossy: torch.Tensor) -> dict:
-    """The accuracy columns from two [B, N, V] logit tensors."""
+def kl_per_step(exact: torch.Tensor, lossy: torch.Tensor) -> torch.Tensor:
+    """KL(exact || lossy) in nats of the next-token distributions of two [..., V] logit (or log-probability)
+    tensors -> [...]: the one definition the sweep's kl_mean and serving's accuracy_kl_* (harness.serve.accuracy)
+    share."""
     log_p = F.log_softmax(exact, dim=-1)
     log_q = F.log_softmax(lossy, dim=-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1)  # [B, N]: KL(exact || lossy) per step, nats
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+
+
+def compare(exact: torch.Tensor, lossy: torch.Tensor) -> dict:
+    """The accuracy columns from two [B, N, V] logit tensors."""
+    kl = kl_per_step(exact, lossy)  # [B, N]: KL(exact || lossy) per step, nats
     return {
         "logit_max_abs_err": (exact - lossy).abs().max().item(),
         "kl_mean": kl.mean().clamp_min(0.0).item(),

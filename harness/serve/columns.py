@@ -249,6 +249,32 @@ RUN_COLUMNS: tuple[Column, ...] = (
         for reason, meaning in DROPPED_MEANINGS.items()
         if reason != "no_reply"
     ),  # fmt: skip
+    # A lossy strategy's accuracy (harness.serve.accuracy): its first accuracy_requests requests, teacher-forced on
+    # the exact pass's greedy outputs; null: an exact strategy, or accuracy_requests=0
+    *(
+        Column(
+            f"accuracy_kl_{stat}",
+            "float64",
+            "nats",
+            f"{what} KL(exact || lossy) of the next-token distributions "
+            "over the measured output positions; null: not measured",
+        )
+        for stat, what in (("mean", "Mean"), ("p99", "99th percentile"), ("max", "Largest"))
+    ),
+    Column(
+        "accuracy_top1_agreement",
+        "float64",
+        "",
+        "Fraction of measured output positions whose argmax equals exact serving's; null: not measured",
+    ),
+    Column("accuracy_tokens", "int64", "tokens", "Output positions measured (every output of the requests measured)"),
+    Column("accuracy_requests", "int64", "", "Requests measured: the stream's first accuracy_requests; null: none"),
+    Column(
+        "accuracy_reference",
+        "string",
+        "",
+        'The exact serving compared against, "<strategy> <kv_dtype>" (paged at the run\'s kv_dtype); null: none',
+    ),
     Column(
         "ttft_ms_by_turn",
         "string",

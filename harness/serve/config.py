@@ -15,6 +15,7 @@ from typing import Any
 from harness.config import DTYPES, Workload, check_choice, device_type
 from harness.errors import ConfigError
 from harness.formats import ATTN_IMPLS
+from harness.serve.accuracy import check_accuracy_requests
 from harness.serve.dataset import DATASETS, check_tokenizer_dir
 from harness.serve.engine import SERVE_KV_DTYPES
 from harness.serve.kv_manager import check_window, serving
@@ -99,6 +100,10 @@ class ServeConfig(Workload):
     tpot_slo_ms: str | None = None
     slo_attainment: float = DEFAULT_SLO_ATTAINMENT  # a sustained run's share of requests within the SLOs (sustained.py)
     percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0])
+    # A lossy strategy's (its Serving.exact False, sliding): the first n requests of the stream served again after
+    # the run, exactly (paged) then teacher-forced through the strategy, for the run row's accuracy_* (KL, top-1;
+    # harness.serve.accuracy). null: 8, or all of a shorter stream; 0: off. Untimed: the run's figures come first.
+    accuracy_requests: int | None = None
     warmup: bool = True  # one forward before the clock starts (first-call costs: allocator, oneDNN, kernels)
     results_dir: str = "results"
     run_id: str | None = None  # null: <sweep_id>-<strategy>-<kv_dtype>-qps<qps>
@@ -140,6 +145,7 @@ class ServeConfig(Workload):
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             parse_slo_ms(getattr(self, name), name)
         check_slo_attainment(self.slo_attainment)
+        check_accuracy_requests(self.accuracy_requests, num_prompts=self.num_prompts if self.trace is None else None)
 
     def check_dataset(self) -> None:
         """dataset and what goes with it: a dataset's prompts come whole from its text, so the knobs that make or
@@ -185,6 +191,8 @@ class ServeConfig(Workload):
             for name in SESSION_FIELDS:
                 del out[name]
         out["model"] = asdict(self.model) if not isinstance(self.model, dict) else self.model
+        if serving(self.strategy).exact:  # no accuracy pass: its keys stay those recorded before accuracy_requests
+            del out["accuracy_requests"]
         if self.tier_options.enabled:  # a run without tiers keeps the keys recorded before them
             out["cache"] = self.tier_options.as_dict()
         return out

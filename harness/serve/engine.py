@@ -95,10 +95,23 @@ class Engine:
     """Executes SchedulerOutputs on `model` over `cache` (a harness.kv strategy built for serving, `build_cache`)."""
 
     def __init__(
-        self, model: torch.nn.Module, cache, *, num_slots: int | None = None, window: int | None = None, tiers=None
+        self,
+        model: torch.nn.Module,
+        cache,
+        *,
+        num_slots: int | None = None,
+        window: int | None = None,
+        tiers=None,
+        forced: dict[int, Sequence[int]] | None = None,
+        on_logprobs: Callable[[int, int, torch.Tensor], None] | None = None,
     ):
         self.model, self.cache, self.window = model, cache, window
         self.tiers = tiers  # a prefix pool's host and disk tiers (harness.serve.tier_store.ServeTiers), or None
+        # Teacher forcing (harness.serve.accuracy): request id -> the output tokens appended instead of the sampled
+        # ones, and on_logprobs(request id, output index, log-probabilities [V] fp32 on the host) at each sampling
+        # position; both None in a timed run, which then pays nothing for them.
+        self.forced = forced or {}
+        self.on_logprobs = on_logprobs
         self.device = next(model.parameters()).device
         self.paged = num_slots is None  # else a slot per running request (contiguous)
         self.free_slots = list(range(num_slots or 0))[::-1]  # a stack: slot 0 first
@@ -112,6 +125,10 @@ class Engine:
         if len(prompt_ids) != request.prompt_len:
             raise ValueError(f"request {request.request_id}: {len(prompt_ids)} prompt ids for prompt_len "
                              f"{request.prompt_len}")  # fmt: skip
+        forced = self.forced.get(request.request_id)
+        if forced is not None and len(forced) != request.output_len:
+            raise ValueError(f"request {request.request_id}: {len(forced)} forced tokens for output_len "
+                             f"{request.output_len}")  # fmt: skip
         self.token_ids[request.request_id] = list(prompt_ids)
         self.prompt_len[request.request_id] = request.prompt_len
 
@@ -178,9 +195,25 @@ class Engine:
         with torch.inference_mode():
             logits = self.model(tokens, batch, self.cache, last_only=True)  # [1, n, V]
         sampled = logits[0].argmax(dim=-1).tolist()  # greedy; the iteration's one host sync
+        if self.on_logprobs is not None:
+            self._hand_logprobs(entries, logits[0])
         for entry, token in zip(entries, sampled, strict=True):
             if entry.samples_token:
-                self.token_ids[entry.request_id].append(token)
+                rid = entry.request_id
+                if rid in self.forced:  # teacher-forced: the given token, whatever this forward would sample
+                    token = self.forced[rid][len(self.token_ids[rid]) - self.prompt_len[rid]]
+                self.token_ids[rid].append(token)
+
+    def _hand_logprobs(self, entries, logits: torch.Tensor) -> None:
+        """logits [n, V], a row per entry: the sampling entries' log-softmax in fp32, to the host, to on_logprobs
+        with the output index each row predicts (the outputs appended so far)."""
+        rows = [i for i, entry in enumerate(entries) if entry.samples_token]
+        if not rows:
+            return
+        logprobs = torch.log_softmax(logits[rows].float(), dim=-1).cpu()  # [len(rows), V]
+        for row, i in zip(logprobs, rows, strict=True):
+            rid = entries[i].request_id
+            self.on_logprobs(rid, len(self.token_ids[rid]) - self.prompt_len[rid], row)
 
 
 @dataclass

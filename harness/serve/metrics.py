@@ -38,6 +38,15 @@ from harness.serve.sustained import DEFAULT_SLO_ATTAINMENT, sustained_columns
 MS_PER_S = 1000.0
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")  # vLLM's selected_percentile_metrics, in its print order
 DEFAULT_PERCENTILES = (50, 90, 99)  # issue #16's run row; vLLM's own default is 99 alone
+ACCURACY_RUN_COLUMNS = (  # a lossy strategy's accuracy against exact serving (harness.serve.accuracy), null without
+    "accuracy_kl_mean",
+    "accuracy_kl_p99",
+    "accuracy_kl_max",
+    "accuracy_top1_agreement",
+    "accuracy_tokens",
+    "accuracy_requests",
+    "accuracy_reference",
+)
 TIER_RUN_COLUMNS = (  # a prefix pool's tiers: their figures (harness.serve.tier_store) and options, null without
     "tier_offloaded_bytes",
     "tier_loaded_bytes",
@@ -353,7 +362,8 @@ def run_metrics(
     any_slo = any(slo is not None for slo in slos_ms.values())
     row |= sustained_columns([record.arrival_s for record in records], [record.finished_s for record in records],
                              good if any_slo else None, slo_attainment=slo_attainment, qps=qps)  # fmt: skip
-    return row | dict.fromkeys(TIER_RUN_COLUMNS)  # harness.serve.run fills them from its tiers
+    # harness.serve.run fills them from its tiers, and from a lossy strategy's accuracy pass
+    return row | dict.fromkeys(TIER_RUN_COLUMNS) | dict.fromkeys(ACCURACY_RUN_COLUMNS)
 
 
 def knee(

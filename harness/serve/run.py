@@ -15,6 +15,7 @@ import torch
 from harness.config import DTYPES, Workload, device_type
 from harness.errors import ConfigError
 from harness.modeling.model import build_model
+from harness.serve.accuracy import Pool, served_accuracy
 from harness.serve.budget import KVBudget, bytes_per_block, check_pool_fits, kv_budget
 from harness.serve.concurrency import predict_concurrency
 from harness.serve.config import ServeConfig
@@ -187,7 +188,11 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
         from harness.run.point import model_id  # the weights' identity, which the disk tier files blocks under
 
         tiers = ServeTiers.build(cfg.tier_options, cache=cache, model_id=model_id(cfg))
-    engine = Engine(model, cache, num_slots=num_slots, window=cfg.sliding_window, tiers=tiers)
+
+    def new_engine(**forcing) -> Engine:  # the run's engine; an accuracy pass builds it again, teacher-forced
+        return Engine(model, cache, num_slots=num_slots, window=cfg.sliding_window, tiers=tiers, **forcing)
+
+    engine = new_engine()
     manager = kv_manager(cfg, p.num_blocks, tiers=tiers)
     scheduler = Scheduler(p.scheduler_config, manager)
     prompts = p.prompt_ids
@@ -251,6 +256,10 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
     }
     if p.sessions is not None:
         row["ttft_ms_by_turn"] = p.sessions.ttft_ms_by_turn(result.records)
+    # A lossy strategy's accuracy against exact serving, after the figures above so that it times nothing
+    row |= served_accuracy(p, model=model, args=args, cache=cache,
+                           lossy=Pool(new_engine, lambda: kv_manager(cfg, p.num_blocks, tiers=tiers)),
+                           prompt_ids=p.prompt_ids if p.prompt_ids is not None else prompts)  # fmt: skip
     writer.close(row, config=cfg.config_dict())
     return row
 

@@ -32,6 +32,7 @@ def summary_lines(row: dict, run_dir: Path) -> list[str]:
         + _sustained(row)
         + _tiers(row)
         + _by_turn(row)
+        + _accuracy(row)
     )
 
 
@@ -45,6 +46,18 @@ def _sustained(row: dict) -> list[str]:
     slo = "no SLO" if attained is None else f"SLO attainment {100 * attained:.0f}%"
     verdict = "yes" if row["sustained"] else f"no ({row['not_sustained_reason']})"
     return [f"  sustained    {verdict}: {rate}{slo} (needs {100 * row['slo_attainment_target']:.0f}%)"]
+
+
+def _accuracy(row: dict) -> list[str]:
+    """A lossy strategy's accuracy against exact serving (harness.serve.accuracy); none for an exact one."""
+    if row.get("accuracy_tokens") is None:
+        return []
+    return [
+        f"  accuracy     KL vs {row['accuracy_reference']} mean {row['accuracy_kl_mean']:.3g} nats, p99 "
+        f"{row['accuracy_kl_p99']:.3g}, max {row['accuracy_kl_max']:.3g}; top-1 agreement "
+        f"{100 * row['accuracy_top1_agreement']:.1f}% over {row['accuracy_tokens']} tokens of the first "
+        f"{row['accuracy_requests']} requests, teacher-forced"
+    ]
 
 
 def _tiers(row: dict) -> list[str]:
