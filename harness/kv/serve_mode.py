@@ -25,6 +25,10 @@ class Serving:
     storage: str = ""
     shares_prefix: bool = False  # requests share the cached blocks of a common prompt prefix (vLLM's enable_caching)
     windowed: bool = False  # a query reads its last sliding_window keys; the blocks before them are freed
+    # Each request holds at most cache.budget tokens, its blocks capped at ceil(budget / block_size): the module's own
+    # serving cache over a paged pool (`serving_cache`, e.g. harness.kv.evict_paged) and a budget's KV manager
+    # (harness.serve.evict_manager); its options reach the run as cache.<option>.
+    budgeted: bool = False
     refusal: str = ""  # why it does not serve: the one line a serving run is refused with
 
     def __post_init__(self) -> None:
@@ -32,8 +36,8 @@ class Serving:
             raise ValueError(f"Serving.pool: must be one of {', '.join(SERVE_POOLS)} or None, got {self.pool!r}")
         if (self.pool is None) != bool(self.refusal):
             raise ValueError("Serving.refusal: a strategy that does not serve says why, one that serves says nothing")
-        if (self.shares_prefix or self.windowed) and self.pool != "blocks":
-            raise ValueError("Serving: a shared prefix and a window are kept by block tables: pool must be 'blocks'")
+        if (self.shares_prefix or self.windowed or self.budgeted) and self.pool != "blocks":
+            raise ValueError("Serving: a shared prefix, a window and a budget are kept by block tables: pool 'blocks'")
 
     @classmethod
     def refused(cls, reason: str) -> Serving:
