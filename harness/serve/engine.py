@@ -88,7 +88,8 @@ def build_cache(
     spec = CacheSpec.for_model(args, batch_size=1, max_tokens=block_size, kv_dtype=kv_dtype, device=device,
                                dtype=dtype)  # fmt: skip
     if declared.budgeted:
-        return kv.serving_cache(storage, spec, block_size=block_size, num_blocks=num_blocks, options=options or {}), None
+        cache = kv.serving_cache(storage, spec, block_size=block_size, num_blocks=num_blocks, options=options or {})
+        return cache, None
     options = kv.parse_options(storage, {"block_size": block_size, "pool_tokens": num_blocks * block_size})
     return paged.PagedCache.for_scheduler(spec, options), None
 

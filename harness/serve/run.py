@@ -94,9 +94,10 @@ def plan(cfg: ServeConfig) -> Plan:
     for request in requests:
         probe.add_request(request)
     predicted = None
-    # The planner models a window as a ring per request, not as paged blocks, and an open stream, not sessions
-    # whose turns wait on each other.
-    if not served.windowed and sessions is None:
+    # The planner models a window as a ring per request, not as paged blocks, a budget as a slot reserved whole (not
+    # the blocks a budgeted request grows into, harness.serve.evict_manager), and an open stream, not sessions whose
+    # turns wait on each other.
+    if not (served.windowed or served.budgeted) and sessions is None:
         predicted = predict_concurrency(
             cfg.workload(kv_dtype=kv_dtype), requests, kv_budget_bytes=budget.kv_bytes,
             max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, watermark=cfg.watermark,
@@ -158,7 +159,8 @@ def kv_manager(cfg: ServeConfig, num_blocks: int, *, tiers: ServeTiers | None = 
     if tiers is not None:
         return TieredPrefixManager(num_blocks=num_blocks, block_size=cfg.block_size, tiers=tiers)
     return make_kv_manager(cfg.strategy, num_blocks=num_blocks, block_size=cfg.block_size,
-                           max_model_len=cfg.max_model_len, sliding_window=cfg.sliding_window)  # fmt: skip
+                           max_model_len=cfg.max_model_len, sliding_window=cfg.sliding_window,
+                           budget=cfg.token_budget())  # fmt: skip
 
 
 def run(p: Plan, *, run_dir: Path, sweep_id: str) -> dict:
@@ -180,7 +182,7 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
                         n_positions=cfg.max_model_len)  # fmt: skip
     cache, num_slots = build_cache(cfg.strategy, args, kv_dtype=p.kv_dtype, num_blocks=p.num_blocks,
                                    block_size=cfg.block_size, max_model_len=cfg.max_model_len, device=device,
-                                   dtype=cfg.dtype)  # fmt: skip
+                                   dtype=cfg.dtype, options=cfg.strategy_options)  # fmt: skip
     tiers = None
     if cfg.tier_options.enabled:
         from harness.run.point import model_id  # the weights' identity, which the disk tier files blocks under
@@ -245,6 +247,7 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
         "mean_scheduler_ms": sum(scheduler_ms) / len(scheduler_ms),
         **p.dataset_columns,
         **cfg.tier_options.row_columns(),
+        **cfg.strategy_columns(),
         **(tiers.run_columns() if tiers is not None else {}),
     }
     if p.sessions is not None:

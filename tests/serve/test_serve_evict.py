@@ -23,7 +23,16 @@ from harness.serve.kv_manager import blocks_for, make_kv_manager
 from harness.serve.requests import Request
 from harness.serve.scheduler import Scheduler, SchedulerConfig
 from tests.greedy import LOGIT_TOL, assert_same_greedy_tokens, greedy_with_logits
-from tests.serve.test_serve_engine import ARGS, BLOCK, CPU, MAX_MODEL_LEN, mixed_requests, model, solo_reference
+from tests.serve.test_serve_engine import (
+    ARGS,
+    BLOCK,
+    CPU,
+    MAX_MODEL_LEN,
+    mixed_requests,
+    model,
+    run_engine,
+    solo_reference,
+)
 
 BUDGET, WINDOW = 12, 4  # tokens held per request, layer and KV head; of them the most recent always kept
 
@@ -75,3 +84,76 @@ def test_one_request_past_its_budget_serves_the_static_caches_tokens_and_not_exa
         assert_same_greedy_tokens(actual[None], expected[None], logits[None], tol=LOGIT_TOL["fp32"])
         lossy += not torch.equal(actual, solo_reference(tuple(prompt), request.output_len)[0])
     assert lossy >= len(requests) // 2, "a budget of 12 tokens left most requests' tokens exact"
+
+
+def most_blocks_held(iterations) -> int:
+    """The most blocks any one request held, over the run (the manager's tables, as each iteration scheduled them)."""
+    return max(len(s.blocks.held()[1]) for output in iterations for s in output.scheduled)
+
+
+def test_no_request_holds_more_than_its_budgets_blocks_so_more_run_at_once_than_paged():
+    requests, prompts = mixed_requests()
+    result, iterations = run_evict(requests, prompts, num_blocks=40, watermark=0.0, max_num_batched_tokens=64)
+    cap = blocks_for(BUDGET, BLOCK)  # 3 blocks of 4 tokens, where these requests reach up to 14 as paged
+    assert most_blocks_held(iterations) == cap
+    assert max(output.kv.tokens_live for output in iterations) <= BUDGET * max(o.num_running for o in iterations)
+    paged, paged_iterations = run_engine(requests, prompts, num_blocks=40, watermark=0.0, max_num_batched_tokens=64)
+    assert most_blocks_held(paged_iterations) > 2 * cap
+    evict_running = max(output.num_running for output in iterations)
+    assert evict_running == len(requests) > max(output.num_running for output in paged_iterations)
+    assert sum(record.preemptions for record in result.records) == 0 < sum(r.preemptions for r in paged.records)
+
+
+def test_the_managers_peak_and_admission_blocks_are_what_its_requests_hold():
+    manager = make_kv_manager("evict", num_blocks=64, block_size=BLOCK, max_model_len=MAX_MODEL_LEN, budget=BUDGET)
+    assert [manager.peak_blocks(n, max_chunk_tokens=8) for n in (1, 4, 5, 12, 13, 90)] == [1, 1, 2, 3, 3, 3]
+    assert [manager.admission_blocks(n, max_chunk_tokens=8) for n in (3, 8, 30)] == [1, 2, 2]  # its first chunk's
+    assert manager.admission_blocks(30, max_chunk_tokens=2048) == 3  # the whole prompt, capped at the budget
+    request = Request(request_id=0, arrival_s=0.0, prompt_len=30, output_len=8)
+    assert manager.allocate(request, 8).num_new == manager.admission_blocks(30, max_chunk_tokens=8)
+    assert manager.allocate(request, 30).num_new == 1 and manager.allocate(request, 37).num_new == 0
+    assert len(manager.get_blocks(0).table) == manager.peak_blocks(37, max_chunk_tokens=8) == 3
+    assert manager.usage().tokens_live == BUDGET and manager.num_free_blocks == 61
+    manager.free(0)
+    assert manager.num_free_blocks == 64
+
+
+def test_swapped_out_requests_come_back_with_their_held_tokens_and_scores():
+    """Swap copies every part of a block, the positions and scores side tables too: h2o's accumulated attention
+    comes back as it left, so each request's tokens are still the static cache's for it alone."""
+    requests, prompts = mixed_requests(8)
+    # A budget of 24 tokens (6 blocks) over prompts of 10..38: requests admitted below it grow into it, and 16
+    # blocks hold under three at their cap, so growing decodes preempt.
+    result, iterations = run_evict(requests, prompts, num_blocks=16, policy="h2o", budget=24, preemption_mode="swap",
+                                   watermark=0.0)  # fmt: skip
+    assert any(output.swapped_in_ids for output in iterations)
+    assert most_blocks_held(iterations) == blocks_for(24, BLOCK)
+    for request, prompt in zip(requests, prompts, strict=True):
+        expected, logits = static_evict(tuple(prompt), request.output_len, "h2o", budget=24)
+        actual = torch.tensor(result.outputs[request.request_id])
+        assert_same_greedy_tokens(actual[None], expected[None], logits[None], tol=LOGIT_TOL["fp32"])
+
+
+def test_preemption_by_recompute_in_a_small_pool_is_deterministic_and_stays_capped():
+    """A recomputed request re-prefills its prompt and outputs, attending exactly over all of them before keeping
+    its budget (prefill's rule), so its later tokens are not the unpreempted run's; they are the same on every run."""
+    requests, prompts = mixed_requests(8)
+    runs = [run_evict(requests, prompts, num_blocks=16, policy="random", budget=24, watermark=0.0) for _ in range(2)]
+    (first, iterations), (second, _) = runs
+    assert sum(record.preemptions for record in first.records) > 0
+    assert most_blocks_held(iterations) == blocks_for(24, BLOCK)
+    assert first.outputs == second.outputs
+    assert all(len(first.outputs[r.request_id]) == r.output_len for r in requests)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"policy": "snapkv"}, "^cache.policy: snapkv does not serve .*; allowed: h2o, knorm, random$"),
+        ({"policy": "knorm", "budget": 8, "window": 16}, "^cache.window: must be in 0..cache.budget-1=7, got 16$"),
+    ],
+)
+def test_what_serving_cannot_run_is_one_line_naming_the_option(options, message):
+    with pytest.raises((ConfigError, ValueError), match=message):
+        build_cache("evict", ARGS, kv_dtype="fp32", num_blocks=8, block_size=BLOCK, max_model_len=MAX_MODEL_LEN,
+                    device=CPU, options=options)  # fmt: skip
