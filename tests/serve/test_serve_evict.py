@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import torch
 from harness import kv
 from harness.errors import ConfigError
 from harness.kv.base import CacheSpec
+from harness.serve import run as app
 from harness.serve.engine import Engine, build_cache, serve
 from harness.serve.kv_manager import blocks_for, make_kv_manager
 from harness.serve.requests import Request
@@ -157,3 +159,54 @@ def test_what_serving_cannot_run_is_one_line_naming_the_option(options, message)
     with pytest.raises((ConfigError, ValueError), match=message):
         build_cache("evict", ARGS, kv_dtype="fp32", num_blocks=8, block_size=BLOCK, max_model_len=MAX_MODEL_LEN,
                     device=CPU, options=options)  # fmt: skip
+
+
+STREAM = ["kv_memory_gb=0.0002", "num_prompts=12", "prompt_len=48", "output_len=16", "max_num_batched_tokens=256"]
+
+
+@pytest.mark.slow  # a spawned command line and a second run: ~15 s on 2 cores
+def test_experiments_serve_runs_evict_end_to_end_and_its_row_says_policy_budget_and_window(tmp_path):
+    """The command line a user runs: cache.* options reach the pool, and the same bytes hold every request at once
+    where paged holds under half of them at their peak (26 blocks of 16 tokens; 4 blocks a request as paged, 1 as
+    evict with a budget of 16)."""
+    from harness.serve.rows import load_run, serve_run_dir
+    from tests.serve.test_serve_experiment import TINY, cli, config
+
+    evict = ["strategy=evict", "cache.policy=knorm", "cache.budget=16", "cache.window=4"]
+    result = cli(tmp_path, *TINY, *STREAM, *evict, "run_id=evict")
+    assert result.returncode == 0, result.stderr[-2000:]
+    requests, iterations, row = load_run(serve_run_dir(tmp_path, "evict"))
+    assert (row["strategy"], row["policy"], row["budget"], row["obs_window"]) == ("evict", "knorm", 16, 4)
+    assert row["completed"] == 12 and row["max_running_requests"] == 12 and row["total_preemptions"] == 0
+    assert json.loads(row["config_json"])["cache"] == {"policy": "knorm", "budget": 16, "window": 4}
+    assert iterations["kv_used_blocks"].max() == 12  # one block a request, the budget's
+    paged = app.plan(config(*TINY, *STREAM, "strategy=paged"))
+    paged_row = app.run(paged, run_dir=serve_run_dir(tmp_path, "paged"), sweep_id="s")
+    assert paged_row["num_blocks"] == row["num_blocks"] and paged_row["policy"] is None
+    assert paged_row["max_running_requests"] < row["max_running_requests"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["strategy=evict"], "^cache.policy: snapkv does not serve .*; allowed: h2o, knorm, random$"),
+        (
+            ["strategy=evict", "cache.policy=h2o", "cache.budget=8", "cache.window=16"],
+            "^cache.window: must be in 0..cache.budget-1=7, got 16$",
+        ),  # fmt: skip
+        (
+            ["strategy=evict", "cache.policy=lru"],
+            "^cache.policy: must be one of h2o, snapkv, knorm, random, got 'lru'$",
+        ),
+        (
+            ["strategy=evict", "+cache.obs=3"],
+            "^cache.obs: not an option of cache 'evict'; allowed: policy, budget, win",
+        ),
+        (["strategy=paged", "cache.policy=knorm"], "^cache.policy: only strategy=evict takes options in a serving run"),
+    ],
+)
+def test_bad_evict_input_on_the_command_line_is_one_config_error_before_any_work(overrides, message):
+    from tests.serve.test_serve_experiment import TINY, config
+
+    with pytest.raises(ConfigError, match=message):
+        app.plan(config(*TINY, "kv_memory_gb=0.01", *overrides))
