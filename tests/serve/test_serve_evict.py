@@ -76,7 +76,7 @@ def test_a_budget_above_every_length_serves_exactly_as_solo_decoding(policy):
 
 @pytest.mark.parametrize("policy", ["knorm", "random", "h2o"])
 def test_one_request_past_its_budget_serves_the_static_caches_tokens_and_not_exact_ones(policy):
-    requests, prompts = mixed_requests(6, seed=3)
+    requests, prompts = mixed_requests(4, seed=3)
     lossy = 0
     for request, prompt in zip(requests, prompts, strict=True):
         assert request.prompt_len > BUDGET  # the prompt itself is evicted at prefill
@@ -123,7 +123,7 @@ def test_the_managers_peak_and_admission_blocks_are_what_its_requests_hold():
 def test_swapped_out_requests_come_back_with_their_held_tokens_and_scores():
     """Swap copies every part of a block, the positions and scores side tables too: h2o's accumulated attention
     comes back as it left, so each request's tokens are still the static cache's for it alone."""
-    requests, prompts = mixed_requests(8)
+    requests, prompts = mixed_requests(6)
     # A budget of 24 tokens (6 blocks) over prompts of 10..38: requests admitted below it grow into it, and 16
     # blocks hold under three at their cap, so growing decodes preempt.
     result, iterations = run_evict(requests, prompts, num_blocks=16, policy="h2o", budget=24, preemption_mode="swap",
@@ -139,7 +139,7 @@ def test_swapped_out_requests_come_back_with_their_held_tokens_and_scores():
 def test_preemption_by_recompute_in_a_small_pool_is_deterministic_and_stays_capped():
     """A recomputed request re-prefills its prompt and outputs, attending exactly over all of them before keeping
     its budget (prefill's rule), so its later tokens are not the unpreempted run's; they are the same on every run."""
-    requests, prompts = mixed_requests(8)
+    requests, prompts = mixed_requests(6)
     runs = [run_evict(requests, prompts, num_blocks=16, policy="random", budget=24, watermark=0.0) for _ in range(2)]
     (first, iterations), (second, _) = runs
     assert sum(record.preemptions for record in first.records) > 0
