@@ -18,7 +18,7 @@ from harness.errors import ConfigError
 from harness.serve.dataset import DATASETS, check_tokenizer_dir
 from harness.serve.engine import SERVE_KV_DTYPES
 from harness.serve.kv_manager import check_window, serving
-from harness.serve.metrics import parse_slo_ms
+from harness.serve.metrics import STRATEGY_RUN_COLUMNS, parse_slo_ms
 from harness.serve.multiturn import check_session_knobs
 from harness.serve.scheduler import SchedulerConfig
 from harness.serve.tiered import check_tiers, split_tiers
@@ -29,7 +29,6 @@ NOT_SERVED = ("batch_size", "kv_group_size", "kv_residual", "attn_impl", "mla_pa
 DATASET_FIELDS = ("dataset", "dataset_path", "sharegpt_output_len")  # dataset=sharegpt's (check_dataset)
 SESSION_FIELDS = ("max_turns", "think_time_s")  # dataset=sharegpt-multiturn's alone
 DERIVED = {"cache": "strategy and block_size", "gen_len": "output_len"}  # set from these at construction
-STRATEGY_COLUMNS = ("policy", "budget", "obs_window")  # the run row's, from a budgeted strategy's options
 
 
 @dataclass
@@ -199,10 +198,10 @@ class ServeConfig(Workload):
         """The run row's budgeted-strategy columns (evict's policy, budget, obs_window, as its static rows name them:
         harness.kv.evict.EvictLayout.option_columns); null for the other strategies."""
         if not serving(self.strategy).budgeted:
-            return dict.fromkeys(STRATEGY_COLUMNS)
+            return dict.fromkeys(STRATEGY_RUN_COLUMNS)
         options = self.strategy_options
         columns = kv.layout(self.strategy, options).option_columns()
-        return {name: columns.get(name) for name in STRATEGY_COLUMNS}
+        return {name: columns.get(name) for name in STRATEGY_RUN_COLUMNS}
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(

@@ -37,6 +37,7 @@ from harness.errors import ConfigError
 MS_PER_S = 1000.0
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")  # vLLM's selected_percentile_metrics, in its print order
 DEFAULT_PERCENTILES = (50, 90, 99)  # issue #16's run row; vLLM's own default is 99 alone
+STRATEGY_RUN_COLUMNS = ("policy", "budget", "obs_window")  # a budgeted strategy's options (evict's), null without
 TIER_RUN_COLUMNS = (  # a prefix pool's tiers: their figures (harness.serve.tier_store) and options, null without
     "tier_offloaded_bytes",
     "tier_loaded_bytes",
@@ -344,7 +345,7 @@ def run_metrics(
     row["prefix_hit_rate_device"] = (hit_tokens - sum(n or 0 for n in from_tiers.values())) / total_input_tokens
     for source, tokens in from_tiers.items():
         row[f"prefix_hit_rate_{source}"] = None if tokens is None else tokens / total_input_tokens
-    return row | dict.fromkeys(TIER_RUN_COLUMNS)  # harness.serve.run fills them from its tiers
+    return row | dict.fromkeys((*TIER_RUN_COLUMNS, *STRATEGY_RUN_COLUMNS))  # harness.serve.run fills them
 
 
 def knee(

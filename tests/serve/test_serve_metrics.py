@@ -14,6 +14,7 @@ import pytest
 
 from harness.errors import ConfigError
 from harness.serve.metrics import (
+    STRATEGY_RUN_COLUMNS,
     TIER_RUN_COLUMNS,
     RequestRecord,
     max_concurrent_requests,
@@ -150,6 +151,7 @@ def test_run_metrics_has_vllms_key_names():
         "prefix_hit_rate_host",
         "prefix_hit_rate_disk",
         *TIER_RUN_COLUMNS,
+        *STRATEGY_RUN_COLUMNS,
     }
 
 
