@@ -38,6 +38,8 @@ What the scores cost (B sequences, H query heads, H_kv KV heads, D head_dim, S h
           not counted in kv_bytes_allocated), then one scatter of the new row: no host sync, no data-dependent shape.
 
 Memory is flat: storage for min(budget, max_tokens) tokens per sequence, never max_tokens.
+Served (harness.serve, strategy=evict): harness.kv.evict_paged applies this rule per sequence over a paged pool,
+each request's budget slots in its first ceil(budget / block_size) blocks (policies h2o, knorm and random).
 Formats: plain dtypes, fp8 and int8 through harness.kv.quant's per-token codecs (evicting a token moves its data and
 scale rows together); int4 is Unsupported: KIVI quantizes keys per channel across groups of consecutive tokens,
 which a cache that evicts single tokens would tear apart.
@@ -107,7 +109,7 @@ class EvictCache(kv.KVCache):
         if isinstance(start_pos, varlen.SeqBatch):  # serving
             raise Unsupported(
                 "per-sequence lengths: evict does not take them (one eviction state per batch row, all moving in "
-                "step); allowed: contiguous, paged, prefix"
+                "step); allowed: its serving form over a paged pool (serving_cache, harness.kv.evict_paged)"
             )
         end = start_pos + n_new
         if end > self.spec.max_tokens:

@@ -55,9 +55,10 @@ def run_evict(requests, prompts, *, num_blocks=256, policy="knorm", budget=BUDGE
 
 
 @functools.cache
-def static_evict(prompt: tuple[int, ...], output_len: int, policy: str, budget: int = BUDGET, window: int = WINDOW):
+def static_evict(prompt: tuple[int, ...], output_len: int, policy: str, budget: int = BUDGET, window: int = WINDOW,
+                 kv_dtype: str = "fp32"):  # fmt: skip
     """(tokens, logits) of the prompt decoded alone through the static EvictCache (batch 1)."""
-    spec = CacheSpec.for_model(ARGS, batch_size=1, max_tokens=len(prompt) + output_len, kv_dtype="fp32", device=CPU)
+    spec = CacheSpec.for_model(ARGS, batch_size=1, max_tokens=len(prompt) + output_len, kv_dtype=kv_dtype, device=CPU)
     cache = kv.build("evict", spec, {"policy": policy, "budget": budget, "window": window})
     tokens, logits = greedy_with_logits(model(), cache, torch.tensor([prompt]), output_len)
     return tokens[0], logits[0]
@@ -86,6 +87,41 @@ def test_one_request_past_its_budget_serves_the_static_caches_tokens_and_not_exa
         assert_same_greedy_tokens(actual[None], expected[None], logits[None], tol=LOGIT_TOL["fp32"])
         lossy += not torch.equal(actual, solo_reference(tuple(prompt), request.output_len)[0])
     assert lossy >= len(requests) // 2, "a budget of 12 tokens left most requests' tokens exact"
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_a_narrow_format_evicts_its_tokens_scale_and_all_as_the_static_cache_does(kv_dtype):
+    """A kept token's rows move with it, data and per-token scale (fp8 moved as its bytes)."""
+    requests, prompts = mixed_requests(3, seed=3)
+    for request, prompt in zip(requests, prompts, strict=True):
+        result, _ = run_evict([request], [prompt], policy="random", kv_dtype=kv_dtype)
+        expected, logits = static_evict(tuple(prompt), request.output_len, "random", kv_dtype=kv_dtype)
+        actual = torch.tensor(result.outputs[request.request_id])
+        assert_same_greedy_tokens(actual[None], expected[None], logits[None], tol=LOGIT_TOL[kv_dtype])
+
+
+def test_a_prompt_chunked_past_its_budget_keeps_the_positions_the_static_cache_keeps():
+    """random's scores are a hash of (layer, head, position): whatever attention saw, the tokens kept are a function
+    of positions alone, so chunks of 8 tokens that evict between them, then decode steps that evict one by one, must
+    end holding, per layer and head, exactly the positions the static cache holds after the prompt in one piece."""
+    requests, prompts = mixed_requests(3, seed=3)
+    request, prompt = max(zip(requests, prompts, strict=True), key=lambda pair: pair[0].prompt_len)
+    manager = make_kv_manager("evict", num_blocks=16, block_size=BLOCK, max_model_len=MAX_MODEL_LEN, budget=BUDGET)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=8), manager)
+    options = {"policy": "random", "budget": BUDGET, "window": WINDOW}
+    cache, _ = build_cache("evict", ARGS, kv_dtype="fp32", num_blocks=16, block_size=BLOCK,
+                           max_model_len=MAX_MODEL_LEN, device=CPU, options=options)  # fmt: skip
+    iterations = []
+    serve([request], [prompt], scheduler=scheduler, engine=Engine(model(), cache),
+          on_iteration=lambda i, output, *_: iterations.append(output))  # fmt: skip
+    assert sum(1 for output in iterations if output.num_prefill_tokens) >= 4  # a prompt of 30+ tokens, 8 at a time
+    table = list(iterations[-1].scheduled[0].blocks.table)  # freed at its finish, not overwritten: it was alone
+    held = cache.rows["positions"][:, table].transpose(2, 3).reshape(ARGS.n_layers, -1, ARGS.n_kv_heads)[:, :BUDGET]
+    spec = CacheSpec.for_model(ARGS, batch_size=1, max_tokens=request.prompt_len + request.output_len,
+                               kv_dtype="fp32", device=CPU)  # fmt: skip
+    static = kv.build("evict", spec, options)
+    greedy_with_logits(model(), static, torch.tensor([prompt]), request.output_len)
+    assert torch.equal(held.sort(dim=1).values, static.positions[:, 0].transpose(1, 2).sort(dim=1).values)
 
 
 def most_blocks_held(iterations) -> int:
