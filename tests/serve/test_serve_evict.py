@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -100,12 +101,14 @@ def test_a_narrow_format_evicts_its_tokens_scale_and_all_as_the_static_cache_doe
         assert_same_greedy_tokens(actual[None], expected[None], logits[None], tol=LOGIT_TOL[kv_dtype])
 
 
-def test_a_prompt_chunked_past_its_budget_keeps_the_positions_the_static_cache_keeps():
+@pytest.mark.parametrize("decodes", [False, True])
+def test_a_prompt_chunked_past_its_budget_keeps_the_positions_the_static_cache_keeps(decodes):
     """random's scores are a hash of (layer, head, position): whatever attention saw, the tokens kept are a function
     of positions alone, so chunks of 8 tokens that evict between them, then decode steps that evict one by one, must
     end holding, per layer and head, exactly the positions the static cache holds after the prompt in one piece."""
     requests, prompts = mixed_requests(3, seed=3)
     request, prompt = max(zip(requests, prompts, strict=True), key=lambda pair: pair[0].prompt_len)
+    request = request if decodes else dataclasses.replace(request, output_len=1)  # 1: what the chunks kept
     manager = make_kv_manager("evict", num_blocks=16, block_size=BLOCK, max_model_len=MAX_MODEL_LEN, budget=BUDGET)
     scheduler = Scheduler(SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=8), manager)
     options = {"policy": "random", "budget": BUDGET, "window": WINDOW}
