@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from harness.errors import ConfigError, Unsupported
 from harness.kv import varlen
 from harness.kv.base import CacheSpec, attention
-from harness.kv.evict import POLICIES, Options, _accumulated_attention, _fold, random_salt, random_scores
+from harness.kv.evict import Options, _accumulated_attention, _fold, random_salt, random_scores
 from harness.kv.paged import Options as PagedOptions
 from harness.kv.paged import PagedCache
 from harness.kv.quant import FP8
@@ -55,9 +55,9 @@ def check_serving(options: Options) -> None:
     if options.policy not in SERVING_POLICIES:
         raise ConfigError(
             f"cache.policy: {options.policy} does not serve (its votes need the whole prompt's last "
-            f"{options.window} queries in one chunk, with nothing evicted before); allowed: {', '.join(SERVING_POLICIES)}"
+            f"{options.window} queries in one chunk, with nothing evicted before); "
+            f"allowed: {', '.join(SERVING_POLICIES)}"
         )
-    assert set(SERVING_POLICIES) <= set(POLICIES)
 
 
 class EvictPagedCache(PagedCache):
@@ -105,9 +105,8 @@ class EvictPagedCache(PagedCache):
         """table [b, nb] blocks, slots [S] (the same for every head) -> flat rows [b, H_kv, S] of a part's
         [N * H_kv * bs] view (harness.kv.varlen.VarlenRows._flat's arithmetic)."""
         blocks = table[:, slots // self.block_size]  # [b, S]
-        return (
-            blocks[:, None, :] * len(self.heads) + self.heads[None, :, None]
-        ) * self.block_size + slots % self.block_size
+        rows = blocks[:, None, :] * len(self.heads) + self.heads[None, :, None]  # [b, H_kv, S]: (block, head)
+        return rows * self.block_size + slots % self.block_size
 
     def _part(self, layer: int, name: str) -> torch.Tensor:
         """A part of this layer as flat rows: [N * H_kv * bs, width] (K/V and scales; fp8 as its bytes) or
@@ -194,7 +193,8 @@ class EvictPagedCache(PagedCache):
         new["positions"] = start.expand(-1, len(self.heads), 1)
         new["scores"] = self._new_scores(layer, k_d, start[:, :, :1])
         self._write(layer, target, new)
-        k_r, v_r = self._decode(self._read(layer, flat, list(new)[:-2]), q.dtype)  # [b, H_kv, S, D]
+        stored = self._read(layer, flat, [name for *_, name in self._names()])  # K/V and scales, not side tables
+        k_r, v_r = self._decode(stored, q.dtype)  # [b, H_kv, S, D]
         valid = None if min(reads) == n_slots else slots[None, :] < index["decode_reads"][:, None]  # [b, S]
         n_heads, head_dim = q.shape[1], q.shape[3]
         folded = q_d.reshape(len(reads), len(self.heads), n_heads // len(self.heads), head_dim)  # [b, H_kv, G, D]
