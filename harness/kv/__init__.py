@@ -34,7 +34,9 @@ __all__ = [
     "parse_options",
     "register",
     "serving",
+    "serving_cache",
     "serving_names",
+    "serving_options",
     "static_decode_names",
     "strategy_names",
 ]
@@ -42,6 +44,7 @@ __all__ = [
 _NOT_STRATEGIES = {
     "base",
     "block_file",
+    "evict_paged",
     "footprint",
     "host",
     "paged_attend",
@@ -130,6 +133,23 @@ def serving(name: str) -> Serving:
     """How the strategy serves a request stream (harness.kv.serve_mode.Serving); a module declaring none does not."""
     declared = getattr(_module(name), "SERVING", None)
     return declared if declared is not None else Serving.refused(f"{name} declares no SERVING")
+
+
+def serving_options(name: str, options: dict[str, Any]) -> Any:
+    """A budgeted strategy's Options as a serving run takes them (Serving.budgeted): parsed, then what serving refuses
+    of them (its module's check_serving), each a one-line error naming the option."""
+    parsed = parse_options(name, options)
+    check = getattr(_module(name), "check_serving", None)
+    if check is not None:
+        check(parsed)
+    return parsed
+
+
+def serving_cache(name: str, spec: CacheSpec, *, block_size: int, num_blocks: int, options: dict[str, Any]) -> KVCache:
+    """A budgeted strategy's serving cache (Serving.budgeted): its module's serving_cache over a pool of num_blocks
+    blocks of block_size tokens, whose block tables the scheduler keeps."""
+    parsed = serving_options(name, options)
+    return _module(name).serving_cache(spec, block_size=block_size, num_blocks=num_blocks, options=parsed)
 
 
 def serving_names() -> list[str]:

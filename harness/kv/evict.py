@@ -38,6 +38,8 @@ What the scores cost (B sequences, H query heads, H_kv KV heads, D head_dim, S h
           not counted in kv_bytes_allocated), then one scatter of the new row: no host sync, no data-dependent shape.
 
 Memory is flat: storage for min(budget, max_tokens) tokens per sequence, never max_tokens.
+Served (harness.serve, strategy=evict): harness.kv.evict_paged applies this rule per sequence over a paged pool,
+each request's budget slots in its first ceil(budget / block_size) blocks (policies h2o, knorm and random).
 Formats: plain dtypes, fp8 and int8 through harness.kv.quant's per-token codecs (evicting a token moves its data and
 scale rows together); int4 is Unsupported: KIVI quantizes keys per channel across groups of consecutive tokens,
 which a cache that evicts single tokens would tear apart.
@@ -100,17 +102,14 @@ class EvictCache(kv.KVCache):
         self.storage = self.codec.alloc((lead[0], 2, *lead[1:], spec.head_dim), spec.device)
         self.scores = torch.zeros(lead, dtype=torch.float32, device=spec.device)  # [L, B, H_kv, slots]
         self.positions = torch.zeros(lead, dtype=torch.int64, device=spec.device)  # [L, B, H_kv, slots]
-        # random's salt per layer, sequence and head [L, B, H_kv, 1] int64: their index, mixed by _hash, so no RNG
-        # state is drawn, kept or synchronized
-        index = torch.arange(math.prod(lead[:3]), dtype=torch.int64, device=spec.device).view(*lead[:3], 1)
-        self.salt = (index * 0x632BE5AB + RANDOM_SEED) & 0xFFFFFFFF
+        self.salt = random_salt(*lead[:3], spec.device)  # random's, per layer, sequence and head [L, B, H_kv, 1]
         self.n_tokens = 0  # tokens seen per sequence (the batch moves in step), not tokens held
 
     def prepare(self, start_pos: int | varlen.SeqBatch, n_new: int | None = None) -> None:
         if isinstance(start_pos, varlen.SeqBatch):  # serving
             raise Unsupported(
                 "per-sequence lengths: evict does not take them (one eviction state per batch row, all moving in "
-                "step); allowed: contiguous, paged, prefix"
+                "step); allowed: its serving form over a paged pool (serving_cache, harness.kv.evict_paged)"
             )
         end = start_pos + n_new
         if end > self.spec.max_tokens:
@@ -201,12 +200,7 @@ class EvictCache(kv.KVCache):
         return torch.full(k.shape[:3], NO_VOTE + pos, dtype=torch.float32, device=k.device)
 
     def _hash(self, layer: int, positions: torch.Tensor | int) -> torch.Tensor:
-        """random's score in [0, 1): an integer hash of (salt, position) (a multiply-xorshift mix: the multiplier
-        0x45D9F3B of a well-known 32-bit hash), in int64 with every product below 2**63, so CPU and CUDA agree."""
-        x = (self.salt[layer] + positions * 0x9E3779B1) & 0xFFFFFFFF  # [B, H_kv, T] (or [B, H_kv, 1])
-        x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
-        x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
-        return ((x >> 16) ^ x).float() / 2.0**32
+        return random_scores(self.salt[layer], positions)  # [B, H_kv, T] (or [B, H_kv, 1])
 
     # --- storage ---------------------------------------------------------------------------------------------
     def _put(self, layer: int, slots: slice, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -240,6 +234,22 @@ class EvictCache(kv.KVCache):
 
     def tokens_held(self) -> int:
         return min(self.n_tokens, self.n_slots)
+
+
+def random_salt(n_layers: int, batch_size: int, n_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """random's salt per layer, sequence and head [L, B, H_kv, 1] int64: their index, mixed by random_scores, so no
+    RNG state is drawn, kept or synchronized (serving salts every sequence as batch row 0: harness.kv.evict_paged)."""
+    index = torch.arange(n_layers * batch_size * n_kv_heads, dtype=torch.int64, device=device)
+    return (index.view(n_layers, batch_size, n_kv_heads, 1) * 0x632BE5AB + RANDOM_SEED) & 0xFFFFFFFF
+
+
+def random_scores(salt: torch.Tensor, positions: torch.Tensor | int) -> torch.Tensor:
+    """random's score in [0, 1): an integer hash of (salt, position) (a multiply-xorshift mix: the multiplier
+    0x45D9F3B of a well-known 32-bit hash), in int64 with every product below 2**63, so CPU and CUDA agree."""
+    x = (salt + positions * 0x9E3779B1) & 0xFFFFFFFF
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    return ((x >> 16) ^ x).float() / 2.0**32
 
 
 def _as_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -340,4 +350,22 @@ class EvictLayout(Layout):
 
 STRATEGY = EvictCache
 LAYOUT = EvictLayout
-SERVING = Serving.refused("it keeps one eviction state per batch row, all rows moving in step")
+SERVING = Serving(
+    pool="blocks", budgeted=True, caps_blocks=True, exact=False
+)  # harness.kv.evict_paged over the scheduler's capped tables
+
+
+def serving_cache(spec: CacheSpec, *, block_size: int, num_blocks: int, options: Options) -> kv.KVCache:
+    """The serving form (harness.kv.evict_paged): a paged pool of num_blocks blocks, each sequence's `budget` slots
+    in its first ceil(budget / block_size) blocks of the scheduler's table."""
+    from harness.kv import evict_paged, paged  # here: evict_paged builds on this module
+
+    pool = paged.Options(block_size=block_size, pool_tokens=num_blocks * block_size)
+    return evict_paged.EvictPagedCache(spec, pool, options)
+
+
+def check_serving(options: Options) -> None:
+    """What serving refuses of these options, one ConfigError line (harness.kv.evict_paged.check_serving)."""
+    from harness.kv import evict_paged
+
+    evict_paged.check_serving(options)

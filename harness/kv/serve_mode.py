@@ -32,6 +32,10 @@ class Serving:
     # Whether its logits are exact serving's (paged at the same kv_dtype): False for one that drops K/V a query would
     # read (a window, an eviction policy), whose run then measures what that costs (harness.serve.accuracy).
     exact: bool = True
+    # Each request holds at most cache.budget tokens, its blocks capped at ceil(budget / block_size): the module's own
+    # serving cache over a paged pool (`serving_cache`, e.g. harness.kv.evict_paged) and a budget's KV manager
+    # (harness.serve.evict_manager); its options reach the run as cache.<option>.
+    budgeted: bool = False
     refusal: str = ""  # why it does not serve: the one line a serving run is refused with
 
     def __post_init__(self) -> None:
@@ -39,10 +43,10 @@ class Serving:
             raise ValueError(f"Serving.pool: must be one of {', '.join(SERVE_POOLS)} or None, got {self.pool!r}")
         if (self.pool is None) != bool(self.refusal):
             raise ValueError("Serving.refusal: a strategy that does not serve says why, one that serves says nothing")
-        if (self.shares_prefix or self.windowed or self.caps_blocks) and self.pool != "blocks":
-            raise ValueError("Serving: a shared prefix and a window are kept by block tables: pool must be 'blocks'")
-        if self.windowed and not self.caps_blocks:
-            raise ValueError("Serving: a window frees the blocks it has left: windowed needs caps_blocks")
+        if (self.shares_prefix or self.windowed or self.budgeted or self.caps_blocks) and self.pool != "blocks":
+            raise ValueError("Serving: a shared prefix, a window and a budget are kept by block tables: pool 'blocks'")
+        if (self.windowed or self.budgeted) and not self.caps_blocks:
+            raise ValueError("Serving: a window or a budget caps the blocks a request holds: it needs caps_blocks")
 
     @classmethod
     def refused(cls, reason: str) -> Serving:

@@ -191,6 +191,9 @@ RUN_COLUMNS: tuple[Column, ...] = (
     Column("host_gb", "float64", "GB", "The prefix pool's host tier (cache.host_gb, GB = 1e9 bytes); null: none"),
     Column("disk_dir", "string", "", "The prefix pool's disk tier's directory (cache.disk_dir); null: none"),
     Column("disk_gb", "float64", "GB", "The disk tier's capacity (cache.disk_gb); null: no disk tier"),
+    Column("policy", "string", "", "strategy=evict: what is kept (cache.policy: h2o, knorm or random); null: others"),
+    Column("budget", "int64", "tokens", "strategy=evict: tokens a request holds at most (cache.budget); null: others"),
+    Column("obs_window", "int64", "tokens", "strategy=evict: recent tokens always kept (cache.window); null: others"),
     Column(
         "tier_rejected_blocks", "int64", "", "Disk block files refused (checksum or identity): misses; null: no tiers"
     ),

@@ -12,6 +12,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from harness import kv
 from harness.config import DTYPES, Workload, check_choice, device_type
 from harness.errors import ConfigError
 from harness.formats import ATTN_IMPLS
@@ -19,7 +20,7 @@ from harness.serve.accuracy import check_accuracy_requests
 from harness.serve.dataset import DATASETS, check_tokenizer_dir
 from harness.serve.engine import SERVE_KV_DTYPES
 from harness.serve.kv_manager import check_window, serving
-from harness.serve.metrics import parse_slo_ms
+from harness.serve.metrics import STRATEGY_RUN_COLUMNS, parse_slo_ms
 from harness.serve.multiturn import check_session_knobs
 from harness.serve.scheduler import SchedulerConfig
 from harness.serve.sustained import DEFAULT_SLO_ATTAINMENT, check_slo_attainment
@@ -58,7 +59,7 @@ class ServeConfig(Workload):
     seed: int = 0
     # The KV pool: exactly one of kv_memory_gb (GiB of KV) and gpu_memory_utilization (vLLM's; the planner subtracts
     # weights, buffers, activations and runtime from that share of memory_gb, or of the device's memory).
-    strategy: str = "paged"  # one that serves (harness.kv.serving_names): contiguous | paged | prefix | sliding
+    strategy: str = "paged"  # one that serves (harness.kv.serving_names): contiguous | evict | paged | prefix | sliding
     block_size: int = 16
     sliding_window: int | None = None  # sliding: tokens a query reads back (its own included)
     kv_memory_gb: float | None = None
@@ -113,11 +114,20 @@ class ServeConfig(Workload):
         # cache.host_gb / disk_dir / disk_gb (conf/serve.yaml): the prefix pool's tiers, the one part of `cache` a
         # serving run sets (harness.serve.tiered); the planner's cache stays the strategy's.
         rest, self.tier_options = split_tiers({"name": self.cache} if isinstance(self.cache, str) else self.cache)
+        # A budgeted strategy's options (evict's cache.policy, cache.budget, cache.window) are the rest of `cache`;
+        # null (conf/serve.yaml's): the option's default
+        rest = {key: value for key, value in rest.items() if value is not None}
+        self.strategy_options = {key: rest.pop(key) for key in list(rest) if key != "name"} if served.budgeted else {}
         self.cache = rest or {"name": "contiguous"}  # only tier options given: the rest is the default
-        # A windowed strategy's cache is its name alone: its blocks are its storage's (Serving.storage), and the
-        # planner asks its serving manager what a request holds (harness.serve.concurrency.predict_concurrency).
-        blocks = {"block_size": self.block_size} if served.paged and not served.windowed else {}
-        derived = {"cache": {"name": self.strategy, **blocks}, "gen_len": self.output_len}
+        # A windowed or budgeted strategy's cache is its name (and a budget's options) alone: its blocks are its
+        # storage's (Serving.storage), and the planner asks its serving manager what a request holds
+        # (harness.serve.concurrency.predict_concurrency).
+        blocks = {"block_size": self.block_size} if served.paged and not (served.windowed or served.budgeted) else {}
+        derived = {"cache": {"name": self.strategy, **blocks, **self.strategy_options}, "gen_len": self.output_len}
+        if unknown := sorted(set(self.cache) - {"name"}):  # a budgeted strategy's option beside another strategy
+            budgeted = ", ".join(name for name in kv.serving_names() if kv.serving(name).budgeted)
+            raise ConfigError(f"cache.{unknown[0]}: only strategy={budgeted} takes options in a serving run; "
+                              f"allowed: leave it unset with strategy={self.strategy}")  # fmt: skip
         defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
                     for f in dataclasses.fields(Workload)}  # fmt: skip
         for name, value in derived.items():  # a value set by hand: refused, not overwritten unseen
@@ -141,6 +151,8 @@ class ServeConfig(Workload):
             raise ConfigError(f"sliding_window: must be below max_model_len={self.max_model_len} (a window of a whole "
                               f"request frees no block: strategy=paged), got {self.sliding_window}")  # fmt: skip
         check_tiers(self.strategy, self.tier_options)
+        if serving(self.strategy).budgeted:  # parsed, then what serving refuses (snapkv): one line each
+            kv.serving_options(self.strategy, self.strategy_options)
         device_type(self.device)
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             parse_slo_ms(getattr(self, name), name)
@@ -195,7 +207,24 @@ class ServeConfig(Workload):
             del out["accuracy_requests"]
         if self.tier_options.enabled:  # a run without tiers keeps the keys recorded before them
             out["cache"] = self.tier_options.as_dict()
+        if self.strategy_options:  # a budgeted strategy's options as given (their defaults: strategy_columns)
+            out["cache"] = dict(self.strategy_options)
         return out
+
+    def token_budget(self) -> int | None:
+        """Tokens a budgeted strategy's request holds at most (evict's cache.budget); None for the others."""
+        if not serving(self.strategy).budgeted:
+            return None
+        return kv.serving_options(self.strategy, self.strategy_options).budget
+
+    def strategy_columns(self) -> dict[str, Any]:
+        """The run row's budgeted-strategy columns (evict's policy, budget, obs_window, as its static rows name them:
+        harness.kv.evict.EvictLayout.option_columns); null for the other strategies."""
+        if not serving(self.strategy).budgeted:
+            return dict.fromkeys(STRATEGY_RUN_COLUMNS)
+        options = self.strategy_options
+        columns = kv.layout(self.strategy, options).option_columns()
+        return {name: columns.get(name) for name in STRATEGY_RUN_COLUMNS}
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(

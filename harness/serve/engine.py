@@ -65,11 +65,13 @@ def build_cache(
     device: torch.device,
     dtype: str | None = None,
     attn_impl: str = "sdpa",
+    options: dict | None = None,
 ):
     """The KV tensors of a serving pool of num_blocks blocks of block_size tokens, at kv_dtype, in the cache of the
     strategy's Serving.storage. (cache, num_slots): a slots pool cuts the same tokens into num_slots =
     num_blocks·block_size // max_model_len slots of max_model_len (None for a blocks pool). args: the model's
-    harness.modeling.model_args.ModelArgs; attn_impl: its spec's, which harness.kv.varlen.attend runs."""
+    harness.modeling.model_args.ModelArgs; attn_impl: its spec's, which harness.kv.varlen.attend runs. options: a
+    budgeted strategy's (cache.budget, ...), its own serving cache over the blocks (harness.kv.serving_cache)."""
     declared = serving(strategy)
     if kv_dtype not in SERVE_KV_DTYPES:
         raise ConfigError(f"kv_dtype: serving stores per-token formats; allowed: {', '.join(SERVE_KV_DTYPES)}, "
@@ -87,6 +89,9 @@ def build_cache(
     # the scheduler's block tables, the only ones, which each forward's SeqBatch brings (for_scheduler).
     spec = CacheSpec.for_model(args, batch_size=1, max_tokens=block_size, kv_dtype=kv_dtype, device=device,
                                dtype=dtype, attn_impl=attn_impl)  # fmt: skip
+    if declared.budgeted:
+        cache = kv.serving_cache(storage, spec, block_size=block_size, num_blocks=num_blocks, options=options or {})
+        return cache, None
     options = kv.parse_options(storage, {"block_size": block_size, "pool_tokens": num_blocks * block_size})
     return paged.PagedCache.for_scheduler(spec, options), None
 

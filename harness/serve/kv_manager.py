@@ -390,11 +390,24 @@ def check_window(strategy: str, sliding_window: int | None) -> None:
 
 
 def make_kv_manager(
-    strategy: str, *, num_blocks: int, block_size: int, max_model_len: int, sliding_window: int | None = None
+    strategy: str,
+    *,
+    num_blocks: int,
+    block_size: int,
+    max_model_len: int,
+    sliding_window: int | None = None,
+    budget: int | None = None,
 ) -> KVManager:
-    """The manager of the pool `strategy` serves from (its Serving.pool), num_blocks blocks of block_size tokens."""
+    """The manager of the pool `strategy` serves from (its Serving.pool), num_blocks blocks of block_size tokens;
+    budget: the tokens a budgeted strategy's request holds at most (its cache.budget)."""
     declared = serving(strategy)
     check_window(strategy, sliding_window)
+    if declared.budgeted != (budget is not None):
+        raise ConfigError(f"budget: must be set (tokens >= 1) for a budgeted strategy only, got {budget!r}")
+    if declared.budgeted:
+        from harness.serve.evict_manager import BudgetKVManager  # it builds on PagedKVManager, here
+
+        return BudgetKVManager(num_blocks=num_blocks, block_size=block_size, budget=budget)
     if not declared.paged:
         return ContiguousKVManager(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len)
     return PagedKVManager(

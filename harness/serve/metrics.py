@@ -47,6 +47,7 @@ ACCURACY_RUN_COLUMNS = (  # a lossy strategy's accuracy against exact serving (h
     "accuracy_requests",
     "accuracy_reference",
 )
+STRATEGY_RUN_COLUMNS = ("policy", "budget", "obs_window")  # a budgeted strategy's options (evict's), null without
 TIER_RUN_COLUMNS = (  # a prefix pool's tiers: their figures (harness.serve.tier_store) and options, null without
     "tier_offloaded_bytes",
     "tier_loaded_bytes",
@@ -362,8 +363,8 @@ def run_metrics(
     any_slo = any(slo is not None for slo in slos_ms.values())
     row |= sustained_columns([record.arrival_s for record in records], [record.finished_s for record in records],
                              good if any_slo else None, slo_attainment=slo_attainment, qps=qps)  # fmt: skip
-    # harness.serve.run fills them from its tiers, and from a lossy strategy's accuracy pass
-    return row | dict.fromkeys(TIER_RUN_COLUMNS) | dict.fromkeys(ACCURACY_RUN_COLUMNS)
+    # harness.serve.run fills them from its tiers, its strategy's options and a lossy strategy's accuracy pass
+    return row | dict.fromkeys((*TIER_RUN_COLUMNS, *STRATEGY_RUN_COLUMNS, *ACCURACY_RUN_COLUMNS))
 
 
 def knee(

@@ -160,7 +160,8 @@ def kv_manager(cfg: ServeConfig, num_blocks: int, *, tiers: ServeTiers | None = 
     if tiers is not None:
         return TieredPrefixManager(num_blocks=num_blocks, block_size=cfg.block_size, tiers=tiers)
     return make_kv_manager(cfg.strategy, num_blocks=num_blocks, block_size=cfg.block_size,
-                           max_model_len=cfg.max_model_len, sliding_window=cfg.sliding_window)  # fmt: skip
+                           max_model_len=cfg.max_model_len, sliding_window=cfg.sliding_window,
+                           budget=cfg.token_budget())  # fmt: skip
 
 
 def run(p: Plan, *, run_dir: Path, sweep_id: str) -> dict:
@@ -182,7 +183,7 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
                         n_positions=cfg.max_model_len, mla_path=cfg.mla_path)  # fmt: skip
     cache, num_slots = build_cache(cfg.strategy, args, kv_dtype=p.kv_dtype, num_blocks=p.num_blocks,
                                    block_size=cfg.block_size, max_model_len=cfg.max_model_len, device=device,
-                                   dtype=cfg.dtype, attn_impl=cfg.attn_impl)  # fmt: skip
+                                   dtype=cfg.dtype, attn_impl=cfg.attn_impl, options=cfg.strategy_options)  # fmt: skip
     tiers = None
     if cfg.tier_options.enabled:
         from harness.run.point import model_id  # the weights' identity, which the disk tier files blocks under
@@ -252,6 +253,7 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
         "mean_scheduler_ms": sum(scheduler_ms) / len(scheduler_ms),
         **p.dataset_columns,
         **cfg.tier_options.row_columns(),
+        **cfg.strategy_columns(),
         **(tiers.run_columns() if tiers is not None else {}),
     }
     if p.sessions is not None:

@@ -138,7 +138,7 @@ def test_strategies_are_discovered_and_each_has_a_config_file():
 def test_every_strategy_declares_whether_it_serves_and_those_that_do_not_say_why():
     declared = {name: kv.serving(name) for name in kv.strategy_names()}
     assert all("declares no SERVING" not in serving.refusal for serving in declared.values()), declared
-    assert kv.serving_names() == ["contiguous", "paged", "prefix", "sliding"]  # the engine's, before SERVING
+    assert kv.serving_names() == ["contiguous", "evict", "paged", "prefix", "sliding"]  # evict: issue #30 item 1b
     assert all(serving.refusal for name, serving in declared.items() if name not in kv.serving_names())
 
 

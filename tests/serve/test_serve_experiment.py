@@ -49,7 +49,7 @@ def cli(tmp_path: Path, *overrides: str, **kwargs) -> subprocess.CompletedProces
         (["ttft_slo_ms=500"], "ttft_slo_ms: "),
         (["trace=/nonexistent/trace.jsonl"], "trace"),
         (["kv_memory_gb=0.0001", "prompt_len=200", "output_len=40"], "kv_memory_gb"),
-        (["strategy=ring"], "strategy: unknown value 'ring'; allowed: contiguous, paged, prefix, sliding$"),
+        (["strategy=ring"], "strategy: unknown value 'ring'; allowed: contiguous, evict, paged, prefix, sliding$"),
         (["strategy=none"], "strategy: none does not serve: it keeps no KV to serve from .*; allowed: contiguous, "),
         (["kv_dtype=int4"], "kv_dtype: "),
         (["strategy=sliding"], "sliding_window: "),

@@ -15,6 +15,7 @@ import pytest
 from harness.errors import ConfigError
 from harness.serve.metrics import (
     ACCURACY_RUN_COLUMNS,
+    STRATEGY_RUN_COLUMNS,
     TIER_RUN_COLUMNS,
     RequestRecord,
     max_concurrent_requests,
@@ -154,6 +155,7 @@ def test_run_metrics_has_vllms_key_names():
         *TIER_RUN_COLUMNS,
         *SUSTAINED_COLUMNS,  # harness.serve.sustained: the window, its achieved rate and attainment, the verdict
         *ACCURACY_RUN_COLUMNS,
+        *STRATEGY_RUN_COLUMNS,
     }
 
 
