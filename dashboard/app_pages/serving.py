@@ -33,7 +33,8 @@ TABLE_COLUMNS = [
     "request_throughput", "output_throughput", "request_goodput", "ttft_slo_ms", "p99_ttft_ms", "p99_tpot_ms",
     "window_offered_qps", "achieved_qps", "slo_attainment", "sustained", "not_sustained_reason",
     "max_running_requests", "predicted_max_running", "max_concurrent_requests", "total_preemptions",
-    "peak_kv_utilization", serve_data.SOURCE,
+    "peak_kv_utilization", "policy", "budget", "obs_window", "accuracy_kl_mean", "accuracy_top1_agreement",
+    "accuracy_reference", serve_data.SOURCE,
 ]  # fmt: skip
 
 st.title("Serving")

@@ -10,6 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import experiments.decode  # noqa: F401  (registers the run_config schema that conf/config.yaml extends)
+import experiments.serve  # noqa: F401  (and serve_config, conf/serve.yaml's)
 from harness.config import DTYPES, RunConfig, check_storable, resolve_dtype, resolve_kv_dtype
 from harness.errors import ConfigError
 from harness.modeling.gguf_checkpoint import wheel_gguf
@@ -171,9 +172,10 @@ def test_every_config_group_option_composes_into_a_valid_run_config(override):
 def test_gpu_experiments_compose_and_name_cuda():
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         for name in group_options("experiment"):
-            if "gpu" in name:
-                cfg = compose(config_name="config", overrides=[f"experiment={name}"])
-                assert cfg.device == "cuda"
+            if "gpu" in name:  # a serve-* preset is experiments.serve's (conf/serve.yaml), the others decode's
+                app = "serve" if name.startswith("serve-") else "config"
+                cfg = compose(config_name=app, overrides=[f"experiment={name}"])
+                assert cfg.device == "cuda", name
 
 
 def test_int4_needs_a_group_size_dividing_head_dim():
