@@ -20,7 +20,7 @@ from harness.serve.kv_manager import check_window, serving
 from harness.serve.metrics import parse_slo_ms
 from harness.serve.multiturn import check_session_knobs
 from harness.serve.scheduler import SchedulerConfig
-from harness.serve.tiered import check_tiers, split_tiers
+from harness.serve.tiered import check_overlap, check_tiers, split_tiers
 
 # Workload fields a serving run does not take: the stream sets the batch, the engine runs SDPA on a float or
 # per-token-scaled pool (no int4 groups, no MLA). Each must stay at its default, so that none is silently ignored.
@@ -93,6 +93,10 @@ class ServeConfig(Workload):
     ttft_slo_ms: str | None = None
     tpot_slo_ms: str | None = None
     percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0])
+    # strategy=prefix with cache.host_gb / disk_dir: tier loads overlapped with the forward (harness.serve.tier_loader:
+    # disk blocks prefetched from a request's arrival, loads copied in layer by layer); false: synchronous, before the
+    # forward. null, the default: true when the run has tiers; an explicit true without tiers is refused.
+    tier_overlap: bool | None = None
     warmup: bool = True  # one forward before the clock starts (first-call costs: allocator, oneDNN, kernels)
     results_dir: str = "results"
     run_id: str | None = None  # null: <sweep_id>-<strategy>-<kv_dtype>-qps<qps>
@@ -126,6 +130,7 @@ class ServeConfig(Workload):
         self.check_dataset()
         check_window(self.strategy, self.sliding_window)
         check_tiers(self.strategy, self.tier_options)
+        check_overlap(self.tier_overlap, self.tier_options)
         device_type(self.device)
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             parse_slo_ms(getattr(self, name), name)
@@ -173,6 +178,8 @@ class ServeConfig(Workload):
         out["model"] = asdict(self.model) if not isinstance(self.model, dict) else self.model
         if self.tier_options.enabled:  # a run without tiers keeps the keys recorded before them
             out["cache"] = self.tier_options.as_dict()
+        else:
+            del out["tier_overlap"]
         return out
 
     def scheduler_config(self) -> SchedulerConfig:
