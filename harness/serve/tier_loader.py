@@ -18,8 +18,8 @@ Two overlaps, after SGLang HiCache and LMCache:
   page-locked staging with a CUDA event per layer, which the compute stream waits on (no host sync).
 
 Times: `busy_s` is the loads' own time (file reads with checksums, copies into the pool), `wait_s` the time the
-forward or the lookup spent blocked on them; the rest ran while the host did other work (the forward, the other
-requests), `hidden_s = busy_s - wait_s`. On CUDA the layer copies run on the device; their time is the side
+forward or the lookup spent blocked on them; of the loader thread's time, what nobody waited for ran while the host
+did other work (the forward, the other requests): `hidden_s`. On CUDA the layer copies run on the device; their time is the side
 stream's (CUDA events), and the compute stream's waits are on the device too: there the hidden share counts the
 prefetch's host time only (the copies' hiding shows in TTFT, not in these columns).
 """
@@ -40,14 +40,22 @@ URGENT, BACKGROUND = 0, 1  # a forward's layer copies go before any prefetch rea
 
 @dataclass
 class LoadTimes:
-    """Seconds of load work and of waiting for it, summed over a run."""
+    """Seconds of load work and of waiting for it, summed over a run. Each field has one writer: the loader thread
+    adds to thread_s, the main thread to inline_s and wait_s, so no update is lost between them."""
 
-    busy_s: float = 0.0  # the loads' own time: reads, checksums, copies
-    wait_s: float = 0.0  # the main thread blocked on them
+    thread_s: float = 0.0  # the loader thread's loads: reads, checksums, copies
+    inline_s: float = 0.0  # loads the main thread ran itself (a lookup's read; every load without overlap)
+    wait_s: float = 0.0  # the main thread blocked on the loader's
+
+    @property
+    def busy_s(self) -> float:
+        """The loads' own time, wherever they ran."""
+        return self.thread_s + self.inline_s
 
     @property
     def hidden_s(self) -> float:
-        return max(0.0, self.busy_s - self.wait_s)
+        """What ran while the main thread did other work: the loader's time it did not wait for."""
+        return max(0.0, self.thread_s - self.wait_s)
 
 
 class Loader:
@@ -56,13 +64,17 @@ class Loader:
 
     def __init__(self, times: LoadTimes) -> None:
         self.times = times
-        self._heap: list[tuple[int, int, Callable[[], None]]] = []
+        self._heap: list[tuple[int, int, Callable[[], None] | None]] = []
         self._order = itertools.count()
         self._ready = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="kv-tier-loader", daemon=True)
         self._thread.start()
 
-    def submit(self, priority: int, task: Callable[[], None]) -> None:
+    def close(self) -> None:
+        """The thread ends once the tasks queued before this have run (its owner is gone: weakref.finalize)."""
+        self.submit(BACKGROUND + 1, None)
+
+    def submit(self, priority: int, task: Callable[[], None] | None) -> None:
         with self._ready:
             heapq.heappush(self._heap, (priority, next(self._order), task))
             self._ready.notify()
@@ -73,10 +85,12 @@ class Loader:
                 while not self._heap:
                     self._ready.wait()
                 _, _, task = heapq.heappop(self._heap)
+            if task is None:
+                return
             start = time.perf_counter()
             with torch.no_grad():
                 task()  # tasks catch their own errors (they hand them to their waiter)
-            self.times.busy_s += time.perf_counter() - start  # this thread alone adds to it
+            self.times.thread_s += time.perf_counter() - start  # this thread alone adds to it
 
 
 @dataclass
@@ -151,16 +165,16 @@ class LayerLoads:
         self.events: list = []  # CUDA: one event per layer, recorded on the side stream
         self.seconds = 0.0  # the copies' own time (CPU: the thread's; CUDA: the side stream's, at finish)
 
-    def _copy_layer(self, layer: int) -> None:
+    def _copy_layer(self, layer: int, index: torch.Tensor) -> None:
         """Layer `layer` of every block into the pool: one index_copy_ per part, on whatever stream is current."""
         for name, pool in self.cache.rows.items():
             if pool is None:
                 continue
             part = self.parts[name][layer].to(pool.device, non_blocking=True)  # [n, H_kv, rows, width]
-            target = pool[layer]
+            target = pool[layer]  # [N, H_kv, rows, width]
             if target.element_size() == 1:  # as bytes: the CPU's index_copy_ has no float8 kernel
                 target, part = target.view(torch.uint8), part.view(torch.uint8)
-            target.index_copy_(0, self.index.to(pool.device, non_blocking=True), part)
+            target.index_copy_(0, index, part)
 
     def start(self, loader: Loader | None, stream=None) -> None:
         """CPU: the layers copied by `loader`, in order, each's Event set when it is in. CUDA: every layer's copy
@@ -172,8 +186,9 @@ class LayerLoads:
             start = torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(stream):
                 start.record(stream)
+                index = self.index.to(self.device, non_blocking=True)  # [n] block ids, on the side stream
                 for layer in range(self.n_layers):
-                    self._copy_layer(layer)
+                    self._copy_layer(layer, index)
                     event = torch.cuda.Event(enable_timing=True)
                     event.record(stream)
                     self.events.append(event)
@@ -184,7 +199,7 @@ class LayerLoads:
             try:
                 for layer in range(self.n_layers):
                     t0 = time.perf_counter()
-                    self._copy_layer(layer)
+                    self._copy_layer(layer, self.index)
                     self.seconds += time.perf_counter() - t0
                     self.ready[layer].set()
             except BaseException as exc:  # noqa: BLE001  (raised by the forward's wait)

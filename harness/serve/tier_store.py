@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -46,6 +47,8 @@ class ServeTiers:
         self.fetched: dict[bytes, tuple[dict[str, torch.Tensor], str]] = {}
         self.load_times = LoadTimes()
         self.loader = Loader(self.load_times) if overlap else None
+        if self.loader is not None:
+            weakref.finalize(self, self.loader.close)  # the thread ends with the run's tiers
         self.prefetched: dict[bytes, Prefetch] = {}  # disk blocks read ahead for waiting requests, by key
         self.watched: set[bytes] = set()  # waiting requests' blocks held elsewhere for now (prefetch)
         self.prefetch_used = 0  # lookups served by a finished prefetch: the overlap path taken
@@ -118,8 +121,7 @@ class ServeTiers:
             start = time.perf_counter()
             block = self._read(key)
             elapsed = time.perf_counter() - start
-            self.load_times.busy_s += elapsed
-            self.load_times.wait_s += elapsed
+            self.load_times.inline_s += elapsed
         else:
             self.prefetch_used += prefetch.done.is_set()
             block = prefetch.result(self.load_times)
@@ -139,8 +141,7 @@ class ServeTiers:
                 block, source = self.store.fetch(key)
                 if source == DISK:
                     elapsed = time.perf_counter() - start
-                    self.load_times.busy_s += elapsed
-                    self.load_times.wait_s += elapsed
+                    self.load_times.inline_s += elapsed
             if block is None:
                 return None
             self.fetched[key] = (block, source)
@@ -170,8 +171,7 @@ class ServeTiers:
         start = time.perf_counter()
         cache.write_blocks([block for block, _ in loads], self.store.to_device([block for _, block in loads]))
         elapsed = time.perf_counter() - start  # the h2d copy (to_device) and the pool's writes, all on the path
-        self.load_times.busy_s += elapsed
-        self.load_times.wait_s += elapsed
+        self.load_times.inline_s += elapsed
 
     def finish(self, cache: PagedCache) -> None:
         """After the forward: the layer loads are all in (each layer's wait ran), timed as one h2d transfer."""
