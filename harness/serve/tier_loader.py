@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from harness.kv import host
+
 URGENT, BACKGROUND = 0, 1  # a forward's layer copies go before any prefetch read
 
 
@@ -132,7 +134,7 @@ def read_task(prefetch: Prefetch, read: Callable[[bytes], dict[str, torch.Tensor
         try:
             block = read(prefetch.key)
             if block is not None and pin:  # page-locked staging, so that the h2d copy runs at the bus's speed
-                block = {name: t.pin_memory() for name, t in block.items()}
+                block = {name: host.pinned(t) for name, t in block.items()}
             prefetch.block = block
         except BaseException as exc:  # noqa: BLE001  (handed to the waiter, raised there)
             prefetch.error = exc
@@ -152,12 +154,9 @@ class LayerLoads:
         self.n_layers = cache.rows["k"].shape[0]
         self.device = cache.spec.device
         # [L, n, H_kv, rows, width] per part: the iteration's blocks side by side (page-locked on CUDA)
-        pin = self.device.type == "cuda"
-        self.parts = {}
-        for name in staged[0]:
-            one = staged[0][name]
-            out = torch.empty((one.shape[0], len(staged), *one.shape[2:]), dtype=one.dtype, pin_memory=pin)
-            self.parts[name] = torch.cat([block[name] for block in staged], dim=1, out=out)
+        self.parts = {name: torch.cat([block[name] for block in staged], dim=1) for name in staged[0]}
+        if self.device.type == "cuda":  # page-locked staging (harness.kv.host's seam), so the copies are async
+            self.parts = {name: host.pinned(part) for name, part in self.parts.items()}
         self.index = torch.tensor(blocks, dtype=torch.long)
         self.n_bytes = sum(t.numel() * t.element_size() for t in self.parts.values())
         self.ready = [threading.Event() for _ in range(self.n_layers)]
@@ -181,7 +180,7 @@ class LayerLoads:
         queued on `stream` behind the compute stream's work so far (this iteration's offloads read the same
         blocks), an event recorded after each."""
         if self.device.type == "cuda":
-            self.index = self.index.pin_memory()
+            self.index = host.pinned(self.index)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             start = torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(stream):
@@ -222,13 +221,22 @@ class LayerLoads:
         if self.error is not None:
             raise self.error
 
-    def finish(self) -> float:
-        """Every layer in (a forward that skipped a layer's wait waits here); returns the copies' seconds."""
+    def finish(self) -> None:
+        """Every layer in before the next iteration touches the pool (a forward that skipped a layer's wait waits
+        here). CUDA: the compute stream waits for the last event, on the device: no host sync."""
         if self.events:
-            self.events[-1].synchronize()  # the forward's sampling already waited on it: no stall in practice
-            self.seconds = self._start_event.elapsed_time(self.events[-1]) / 1e3
             torch.cuda.current_stream(self.device).wait_event(self.events[-1])
-            return self.seconds
+            # The staging may go: the caching host allocator keeps a page-locked block until the copies that read
+            # it are done (it records an event on each non-blocking copy).
+            self.parts, self.cache = {}, None
+            return
         for layer in range(self.n_layers):
             self.wait(layer)
+
+    def copy_seconds(self) -> float:
+        """The copies' own time, after finish (CUDA: the side stream's events, read once they are done, at the
+        run's end, so that no iteration syncs for them)."""
+        if self.events:
+            self.events[-1].synchronize()
+            self.seconds = self._start_event.elapsed_time(self.events[-1]) / 1e3  # ms -> s
         return self.seconds

@@ -53,6 +53,7 @@ class ServeTiers:
         self.watched: set[bytes] = set()  # waiting requests' blocks held elsewhere for now (prefetch)
         self.prefetch_used = 0  # lookups served by a finished prefetch: the overlap path taken
         self.layered_loads = 0  # iterations whose loads went in layer by layer
+        self.timed_on_device: list[LayerLoads] = []  # CUDA: layer loads whose copy time is read at the end
         self.resident: Callable[[object], bool] = lambda block_hash: False  # the device pool's (bind_device)
         self.stream = torch.cuda.Stream(store.device) if overlap and store.device.type == "cuda" else None
 
@@ -179,11 +180,17 @@ class ServeTiers:
         if loads is None:
             return
         cache.layer_loads = None
-        seconds = loads.finish()
-        self.store.transfers.append(tiers.Transfer(HOST, "h2d", loads.n_bytes, seconds))
+        loads.finish()
+        if loads.events:  # CUDA: the copies' time is read at the run's end (run_columns), not synced for now
+            self.timed_on_device.append(loads)
+        else:
+            self.store.transfers.append(tiers.Transfer(HOST, "h2d", loads.n_bytes, loads.copy_seconds()))
 
     def run_columns(self) -> dict:
         """Bytes into and out of the tiers, and the GB/s of each direction's timed copies (null: none ran)."""
+        for loads in self.timed_on_device:
+            self.store.transfers.append(tiers.Transfer(HOST, "h2d", loads.n_bytes, loads.copy_seconds()))
+        self.timed_on_device.clear()
         transfers = self.store.transfers
         columns: dict = {
             "tier_offloaded_bytes": sum(t.n_bytes for t in transfers if t.direction == "d2h"),
