@@ -106,6 +106,13 @@ class Prefetch:
     done: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    @classmethod
+    def staged(cls, key: bytes, block: dict[str, torch.Tensor]) -> Prefetch:
+        """A block already read and verified (a lookup's whose request was not admitted), kept for its next one."""
+        prefetch = cls(key, state="done", block=block)
+        prefetch.done.set()
+        return prefetch
+
     def claim(self, to: str) -> bool:
         """Move from queued to `to` (running: the loader; taken or cancelled: the main thread); False: too late."""
         with self.lock:

@@ -160,6 +160,11 @@ class ServeTiers:
                 parts = cache.read_blocks([moves.offload[i][0] for i in missing])
                 self.store.save([keys[i] for i in missing], parts)
             self._watch(keys)
+        if self.overlap:  # a verified disk block a lookup found but did not load stays staged for its next lookup
+            loaded = {key_bytes(block_hash) for _, block_hash, _ in moves.load}
+            for key, (block, source) in self.fetched.items():
+                if source == DISK and key not in loaded and key not in self.prefetched:
+                    self.prefetched[key] = Prefetch.staged(key, block)
         self.fetched.clear()  # a lookup not admitted this iteration fetches again at its next one
         if not loads:
             return
