@@ -170,23 +170,23 @@ RUN_COLUMNS: tuple[Column, ...] = (
         "tier_overlap",
         "bool",
         "",
-        "Tier loads overlapped with the forward (tier_overlap): prefetched, layer by "
-        "layer; false: synchronous; null: no tiers",
-    ),  # fmt: skip
+        "Tier loads overlapped (tier_overlap): disk blocks read ahead, copied in layer by layer during the forward; "
+        "false: synchronous; null: no tiers",
+    ),
     Column(
         "tier_load_s",
         "float64",
         "s",
-        "The tier loads' own time: disk reads with checksums, copies into the pool "
-        "(CUDA: host time only); null: no tiers",
-    ),  # fmt: skip
+        "The tier loads' own time: disk reads with checksums, copies into the pool (CUDA: host time only); null: "
+        "no tiers",
+    ),
     Column(
         "tier_load_hidden_s",
         "float64",
         "s",
-        "Of tier_load_s, what ran while the host computed (not waited for "
-        "by a lookup or a layer's attention); 0 without overlap; null: no tiers",
-    ),  # fmt: skip
+        "Of tier_load_s, the loader thread's time nothing waited for (reads ahead no lookup used count too); 0 "
+        "without overlap; null: no tiers",
+    ),
     Column("tier_load_hidden_share", "float64", "", "tier_load_hidden_s / tier_load_s; null: no tiers, or no load"),
     _required("sweep_id", "string", "", "The sweep the run belongs to (the runs of one -m sweep); a single run's own"),
     _required("engine", "string", "", "kvbench, or the peer (transformers)"),

@@ -8,8 +8,9 @@ shared by two models never mixes them.
 Loads, with `overlap` (tier_overlap, harness.serve.tier_loader): a request's disk blocks are prefetched by a loader
 thread from its arrival, checksums checked there, and an iteration's loads go into the pool layer by layer while
 the forward runs (the forward's attention waits per layer, PagedCache.wait_layer). Without it they are synchronous,
-as before: a disk file read and checked at the lookup, every block copied in before the forward. Either way a lookup
-counts a block only once it has passed its checksum. Both are timed: `load_times` (the loads' own seconds, and those
+as before: a disk file read and checked at the lookup, every block copied in before the forward (and read again at
+the next lookup when its request was not admitted; with overlap the verified copy stays staged until the request is
+admitted). Either way a lookup counts a block only once it has passed its checksum. Both are timed: `load_times` (the loads' own seconds, and those
 the forward and the lookups waited for them), the run row's tier_load_s and tier_load_hidden_s.
 """
 
