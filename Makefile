@@ -27,7 +27,7 @@ SLURM_ARGS ?=
 SLURM_RESULTS ?= results/slurm-check
 
 .PHONY: help setup run test test-cuda-trace lint docs ceilings tiers prefix-reuse accuracy-real pd dashboard screenshot bench-dashboard bench bench-sweep \
-	serve-quick serve-qps serve-real bench-serve \
+	serve-quick serve-qps serve-real bench-serve bench-tiers-overlap \
 	clean-results gpu-wheels slurm-check slurm-up slurm-down
 
 help: ## Show this help
@@ -150,6 +150,9 @@ serve-real: setup ## SmolLM2-135M serving ShareGPT, single requests and chat ses
 
 bench-serve: setup ## Our serving engine beside transformers' continuous batching: same checkpoint, requests, KV pool
 	$(BIN)/python -m experiments.bench_serve $(ARGS)
+
+bench-tiers-overlap: setup ## Chat sessions over a disk tier, tier loads overlapped and synchronous: TTFT side by side
+	$(BIN)/python -m experiments.bench_tier_overlap $(ARGS)
 
 bench-sweep: setup ## How a sweep's wall time grows with its points, with warm workers and with a fresh process each
 	$(BIN)/python -m experiments.sweep_cost $(ARGS)

@@ -80,6 +80,7 @@ class PagedCache(kv.KVCache):
     name: ClassVar[str] = "paged"
     recomputes_prefix: ClassVar[bool] = False
     prefix_hit: bool | None = None  # a prefix cache (harness.kv.prefix) sets it at every prefill
+    layer_loads = None  # a serving tier's loads this forward waits for per layer (harness.serve.tier_loader.LayerLoads)
 
     def __init__(self, spec: CacheSpec, options: Options, *, own_tables: bool = True) -> None:
         self.spec, self.block_size = spec, options.block_size
@@ -213,6 +214,8 @@ class PagedCache(kv.KVCache):
         start_pos: int | torch.Tensor | varlen.SeqBatch,
     ) -> torch.Tensor:
         if isinstance(start_pos, varlen.SeqBatch):  # sequences at their own positions, flattened
+            if self.layer_loads is not None:  # a serving tier's loads, layer by layer (harness.serve.tier_loader)
+                self.layer_loads.wait(layer)
             kernel = self._varlen_decode if self.attn_backend == "triton-paged" else None
             return varlen.attend(self, layer, q, k, v, start_pos, self._varlen, decode_in_place=kernel)
         if isinstance(start_pos, torch.Tensor):  # a decode step at static shapes: the position [1] on the device

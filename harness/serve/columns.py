@@ -197,6 +197,28 @@ RUN_COLUMNS: tuple[Column, ...] = (
     Column(
         "tier_rejected_blocks", "int64", "", "Disk block files refused (checksum or identity): misses; null: no tiers"
     ),
+    Column(
+        "tier_overlap",
+        "bool",
+        "",
+        "Tier loads overlapped (tier_overlap): disk blocks read ahead, copied in layer by layer during the forward; "
+        "false: synchronous; null: no tiers",
+    ),
+    Column(
+        "tier_load_s",
+        "float64",
+        "s",
+        "The tier loads' own time: disk reads with checksums, copies into the pool (CUDA: host time only); null: "
+        "no tiers",
+    ),
+    Column(
+        "tier_load_hidden_s",
+        "float64",
+        "s",
+        "Of tier_load_s, the loader thread's time nothing waited for (reads ahead no lookup used count too); 0 "
+        "without overlap; null: no tiers",
+    ),
+    Column("tier_load_hidden_share", "float64", "", "tier_load_hidden_s / tier_load_s; null: no tiers, or no load"),
     _required("sweep_id", "string", "", "The sweep the run belongs to (the runs of one -m sweep); a single run's own"),
     _required("engine", "string", "", "kvbench, or the peer (transformers)"),
     _required("strategy", "string", "", "KV-cache strategy name"),

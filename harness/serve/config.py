@@ -24,7 +24,7 @@ from harness.serve.metrics import STRATEGY_RUN_COLUMNS, parse_slo_ms
 from harness.serve.multiturn import check_session_knobs
 from harness.serve.scheduler import SchedulerConfig
 from harness.serve.sustained import DEFAULT_SLO_ATTAINMENT, check_slo_attainment
-from harness.serve.tiered import check_tiers, split_tiers
+from harness.serve.tiered import check_overlap, check_tiers, split_tiers
 
 # Workload fields a serving run does not take: the stream sets the batch, the engine attends on a float or
 # per-token-scaled pool (no int4 groups). Each must stay at its default, so that none is silently ignored.
@@ -105,6 +105,10 @@ class ServeConfig(Workload):
     # the run, exactly (paged) then teacher-forced through the strategy, for the run row's accuracy_* (KL, top-1;
     # harness.serve.accuracy). null: 8, or all of a shorter stream; 0: off. Untimed: the run's figures come first.
     accuracy_requests: int | None = None
+    # strategy=prefix with cache.host_gb / disk_dir: tier loads overlapped with the forward (harness.serve.tier_loader:
+    # disk blocks prefetched from a request's arrival, loads copied in layer by layer); false: synchronous, before the
+    # forward. null, the default: true when the run has tiers; an explicit true without tiers is refused.
+    tier_overlap: bool | None = None
     warmup: bool = True  # one forward before the clock starts (first-call costs: allocator, oneDNN, kernels)
     results_dir: str = "results"
     run_id: str | None = None  # null: <sweep_id>-<strategy>-<kv_dtype>-qps<qps>
@@ -153,6 +157,7 @@ class ServeConfig(Workload):
         check_tiers(self.strategy, self.tier_options)
         if serving(self.strategy).budgeted:  # parsed, then what serving refuses (snapkv): one line each
             kv.serving_options(self.strategy, self.strategy_options)
+        check_overlap(self.tier_overlap, self.tier_options)
         device_type(self.device)
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             parse_slo_ms(getattr(self, name), name)
@@ -207,6 +212,8 @@ class ServeConfig(Workload):
             del out["accuracy_requests"]
         if self.tier_options.enabled:  # a run without tiers keeps the keys recorded before them
             out["cache"] = self.tier_options.as_dict()
+        else:  # tier_overlap means nothing without tiers: the keys recorded before it
+            del out["tier_overlap"]
         if self.strategy_options:  # a budgeted strategy's options as given (their defaults: strategy_columns)
             out["cache"] = dict(self.strategy_options)
         return out

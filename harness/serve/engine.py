@@ -13,7 +13,9 @@ block tables come from the scheduler's KV manager (harness.serve.kv_manager), wh
 nothing here: the request's blocks are gone, and it re-prefills its prompt and outputs. Swap copies a victim's
 blocks to host memory before the forward that reuses them, and back into its new blocks when it is readmitted
 (vLLM v0's swap_out / swap_in). A prefix pool with tiers (harness.serve.tiered) copies the blocks its manager
-evicted into the host and disk tiers, and the tiers' hits into their new blocks, before the forward too.
+evicted into the host and disk tiers before the forward, and the tiers' hits into their new blocks: before it too,
+or with tier_overlap layer by layer during it (harness.serve.tier_loader), a request's disk blocks prefetched from
+its arrival.
 
 `serve` is the loop on the wall clock: requests join when the clock passes their arrival_s, an idle engine sleeps
 until the next arrival, and every iteration's host times are taken apart: `scheduler_s` (schedule and update) and
@@ -125,6 +127,7 @@ class Engine:
         self.prompt_len: dict[int, int] = {}
         # request id -> ({logical block index: its position in the rows}, {part name: its blocks' rows, on the host})
         self.swapped: dict[int, tuple[dict[int, int], dict[str, torch.Tensor]]] = {}
+        self.prefetched: dict[int, list[bytes]] = {}  # request id -> its disk blocks read ahead (tier_overlap)
 
     def add_request(self, request: Request, prompt_ids: Sequence[int]) -> None:
         if len(prompt_ids) != request.prompt_len:
@@ -136,6 +139,8 @@ class Engine:
                              f"{request.output_len}")  # fmt: skip
         self.token_ids[request.request_id] = list(prompt_ids)
         self.prompt_len[request.request_id] = request.prompt_len
+        if self.tiers is not None:  # its disk blocks read while it waits (none without tier_overlap)
+            self.prefetched[request.request_id] = self.tiers.prefetch(request.block_hashes)
 
     def outputs(self, request_id: int) -> list[int]:
         """The tokens sampled for a request so far."""
@@ -182,6 +187,8 @@ class Engine:
                 self._drop(rid)
         if output.tier_moves is not None:
             self.tiers.apply(self.cache, output.tier_moves)  # evicted blocks out, then the tiers' hits in
+            for entry in output.scheduled:  # admitted: its lookup has taken what it needed of its prefetches
+                self.tiers.release(self.prefetched.pop(entry.request_id, []))
         if output.swap_out or output.swap_in:
             self._swap(output)
         entries = output.scheduled
@@ -199,6 +206,8 @@ class Engine:
         tokens = to_device([ids], self.device)[0][None]  # [1, N], pinned and non-blocking on CUDA
         with torch.inference_mode():
             logits = self.model(tokens, batch, self.cache, last_only=True)  # [1, n, V]
+        if self.tiers is not None:
+            self.tiers.finish(self.cache)  # the layer loads all in before the next iteration's offloads read blocks
         sampled = logits[0].argmax(dim=-1).tolist()  # greedy; the iteration's one host sync
         if self.on_logprobs is not None:
             self._hand_logprobs(entries, logits[0])

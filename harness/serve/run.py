@@ -29,7 +29,7 @@ from harness.serve.rows import ServeRunWriter, iteration_row
 from harness.serve.scheduler import Scheduler, SchedulerConfig
 from harness.serve.sharegpt import read_sharegpt
 from harness.serve.tier_store import ServeTiers
-from harness.serve.tiered import TieredPrefixManager, make_disk_dir
+from harness.serve.tiered import TieredPrefixManager, make_disk_dir, overlaps
 
 FLUSH_EVERY_S = 1.0  # finished requests reach disk at least this often (s), whatever ServeRunWriter's flush_every
 
@@ -188,7 +188,8 @@ def _serve_into(p: Plan, *, writer: ServeRunWriter, sweep_id: str) -> dict:
     if cfg.tier_options.enabled:
         from harness.run.point import model_id  # the weights' identity, which the disk tier files blocks under
 
-        tiers = ServeTiers.build(cfg.tier_options, cache=cache, model_id=model_id(cfg))
+        tiers = ServeTiers.build(cfg.tier_options, cache=cache, model_id=model_id(cfg),
+                                 overlap=overlaps(cfg.tier_overlap, cfg.tier_options))  # fmt: skip
 
     def new_engine(**forcing) -> Engine:  # the run's engine; an accuracy pass builds it again, teacher-forced
         return Engine(model, cache, num_slots=num_slots, window=cfg.sliding_window, tiers=tiers, **forcing)

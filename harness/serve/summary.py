@@ -73,7 +73,16 @@ def _tiers(row: dict) -> list[str]:
         f"{100 * (row['prefix_hit_rate_host'] or 0):.0f}%, disk {100 * (row['prefix_hit_rate_disk'] or 0):.0f}%; "
         f"{row['tier_loaded_bytes'] / 2**20:.1f} MiB loaded (not recomputed), {row['tier_offloaded_bytes'] / 2**20:.1f} "
         f"MiB offloaded; d2h {gbps('tier_d2h_gbps')}, h2d {gbps('tier_h2d_gbps')}, disk read {gbps('tier_disk_read_gbps')}"
-    ]
+    ] + _overlap(row)
+
+
+def _overlap(row: dict) -> list[str]:
+    """The tier loads' time and the share of it hidden (tier_overlap); none for a row written before them."""
+    if row.get("tier_load_s") is None:
+        return []
+    mode = "overlapped" if row.get("tier_overlap") else "synchronous"
+    return [f"  tier loads   {row['tier_load_s']:.3f} s, {mode}: {100 * (row['tier_load_hidden_share'] or 0):.0f}% "
+            "hidden behind the forward"]  # fmt: skip
 
 
 def _by_turn(row: dict) -> list[str]:

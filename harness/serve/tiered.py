@@ -8,8 +8,8 @@ within `cache.host_gb`, the same checksummed block files under `cache.disk_dir`,
 
 Offload on eviction (write-back), not write-through: a block crosses the bus only when the pool takes its id for
 other tokens, so a history that stays on the device costs no copy, and a copy costs only on the iterations that
-evict. Write-through would copy every computed prompt block each iteration, on the critical path, since loads
-and stores are synchronous here (overlapping them with compute is a later issue). Below the device the store is
+evict. Write-through would copy every computed prompt block each iteration, on the critical path, since stores
+are synchronous here (loads overlap with the forward under tier_overlap, harness.serve.tier_loader). Below the device the store is
 write-through: an evicted block goes to the host tier and to disk at once (TieredStore.save), so a block the host
 tier's LRU drops is still found on disk.
 
@@ -108,6 +108,21 @@ def check_tiers(strategy: str, options: TierOptions) -> None:
                 )
 
 
+def check_overlap(tier_overlap: object, options: TierOptions) -> None:
+    """tier_overlap: true, false, or null (true when there are tiers); an explicit true without tiers is refused,
+    since there would be nothing to overlap."""
+    if tier_overlap is not None and not isinstance(tier_overlap, bool):
+        raise ConfigError(f"tier_overlap: allowed: true, false or null (true with tiers), got {tier_overlap!r}")
+    if tier_overlap and not options.enabled:
+        raise ConfigError("tier_overlap: true needs tiers to load from (strategy=prefix with cache.host_gb > 0 or "
+                          "cache.disk_dir); allowed: null or false without them")  # fmt: skip
+
+
+def overlaps(tier_overlap: bool | None, options: TierOptions) -> bool:
+    """The run's tier_overlap: null means true with tiers."""
+    return options.enabled if tier_overlap is None else tier_overlap
+
+
 def make_disk_dir(options: TierOptions) -> None:
     """The disk tier's directory, made now: one that cannot be is one line before the model is built."""
     if options.disk_dir is None:
@@ -141,6 +156,8 @@ class TieredPrefixManager(PagedKVManager):
     def __init__(self, *, num_blocks: int, block_size: int, tiers: TierIndex) -> None:
         super().__init__(num_blocks=num_blocks, block_size=block_size, prefix_caching=True)
         self.tiers = tiers
+        if (bind := getattr(tiers, "bind_device", None)) is not None:  # a prefetch skips blocks the device holds
+            bind(self.pool.cached.__contains__)
         self.pool.evicted = []
         self.loads: list[tuple[int, object, str]] = []
         self.looked_up: dict[int, list[tuple[object, str]]] = {}  # request id -> its tier run at its last lookup
