@@ -11,7 +11,7 @@ After vLLM v1 (vllm/v1/core/block_pool.py, kv_cache_manager.py, single_type_kv_c
   the free queue hands it out.
 - `PagedKVManager`: block tables grown as tokens arrive (`paged`), optionally with prefix caching (`prefix`, vLLM's
   enable_caching) or a sliding window (`sliding`, vLLM's SlidingWindowManager.remove_skipped_blocks).
-- `ContiguousKVManager`: the pre-vLLM baseline (Orca, FasterTransformer): a slot of max_model_len tokens reserved
+- `ContiguousKVManager` (harness.serve.slot_manager): the pre-vLLM baseline (Orca, FasterTransformer): a slot of max_model_len tokens reserved
   per running request up front (Kwon et al. 2023, section 2.3: the reservation is the waste paging removes).
 
 Every manager answers the same calls, the `KVManager` protocol the scheduler is typed against, and hands a
@@ -151,7 +151,7 @@ class PagedKVManager:
     def __init__(
         self, *, num_blocks: int, block_size: int, prefix_caching: bool = False, sliding_window: int | None = None
     ) -> None:
-        _check_pool(num_blocks=num_blocks, block_size=block_size)
+        check_pool(num_blocks=num_blocks, block_size=block_size)
         if sliding_window is not None and (isinstance(sliding_window, bool) or not sliding_window >= 1):
             raise ConfigError(f"sliding_window: must be an integer >= 1 token, got {sliding_window!r}")
         if prefix_caching and sliding_window is not None:
@@ -299,68 +299,7 @@ class PagedKVManager:
         )
 
 
-class ContiguousKVManager:
-    """One slot of max_model_len tokens per running request, reserved whole at admission; slots =
-    (num_blocks * block_size) // max_model_len, the budget's tokens cut into maximal requests. A slot never grows,
-    so the watermark (headroom for growth) does not apply, and a request admitted is never preempted."""
-
-    def __init__(self, *, num_blocks: int, block_size: int, max_model_len: int) -> None:
-        _check_pool(num_blocks=num_blocks, block_size=block_size)
-        self.num_blocks, self.block_size, self.max_model_len = num_blocks, block_size, max_model_len
-        self.num_slots = num_blocks * block_size // max_model_len
-        self.num_tokens: dict[int, int] = {}  # request id -> tokens it holds K/V for, in its slot
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.num_blocks - blocks_for(len(self.num_tokens) * self.max_model_len, self.block_size)
-
-    def cached_prefix_tokens(self, request: Request, num_tokens: int) -> int:
-        return 0
-
-    def can_allocate(
-        self, request: Request, num_tokens: int, *, num_computed_tokens: int = 0, watermark_blocks: int = 0
-    ) -> bool:
-        if num_tokens > self.max_model_len:
-            return False
-        return request.request_id in self.num_tokens or len(self.num_tokens) < self.num_slots
-
-    def allocate(self, request: Request, num_tokens: int, *, num_computed_tokens: int = 0) -> KVCacheBlocks:
-        """A slot, taken whole at admission: no blocks (the engine addresses slots by index)."""
-        if not self.can_allocate(request, num_tokens):
-            raise KVPoolExhausted(f"request {request.request_id}: no free slot of {self.max_model_len} tokens")
-        self.num_tokens[request.request_id] = max(num_tokens, self.num_tokens.get(request.request_id, 0))
-        return KVCacheBlocks()
-
-    def free(self, request_id: int) -> None:
-        self.num_tokens.pop(request_id, None)
-
-    def get_blocks(self, request_id: int) -> KVCacheBlocks:
-        return KVCacheBlocks()  # a slot is addressed by its index in the engine, not by blocks
-
-    def peak_blocks(self, num_tokens: int, *, max_chunk_tokens: int) -> int:
-        return blocks_for(self.max_model_len, self.block_size)  # the whole slot, whatever the request's length
-
-    def admission_blocks(self, prompt_len: int, *, max_chunk_tokens: int) -> int:
-        return blocks_for(self.max_model_len, self.block_size)  # the whole slot, reserved at admission
-
-    def fits_alone(self, num_tokens: int, *, max_chunk_tokens: int, watermark_blocks: int) -> bool:
-        return self.num_slots >= 1 and num_tokens <= self.max_model_len
-
-    def prefix_hit_tokens(self, request_id: int) -> int:
-        return 0
-
-    def usage(self) -> KVUsage:
-        tokens_allocated = len(self.num_tokens) * self.max_model_len
-        return KVUsage(
-            blocks_used=self.num_blocks - self.num_free_blocks,
-            blocks_free=self.num_free_blocks,
-            blocks_cached=0,
-            tokens_live=sum(self.num_tokens.values()),
-            tokens_allocated=tokens_allocated,
-        )
-
-
-def _check_pool(*, num_blocks: int, block_size: int) -> None:
+def check_pool(*, num_blocks: int, block_size: int) -> None:
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{name}: must be an integer >= 1, got {value!r}")
@@ -409,6 +348,8 @@ def make_kv_manager(
 
         return BudgetKVManager(num_blocks=num_blocks, block_size=block_size, budget=budget)
     if not declared.paged:
+        from harness.serve.slot_manager import ContiguousKVManager  # it answers this module's protocol, here
+
         return ContiguousKVManager(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len)
     return PagedKVManager(
         num_blocks=num_blocks,

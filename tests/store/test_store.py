@@ -219,8 +219,9 @@ def test_every_entry_point_is_a_console_script_whose_target_exists():
     scripts = console_scripts()
     modules = {target.partition(":")[0] for target in scripts.values()}
     entry_points = {f"experiments.{path.stem}" for path in (ROOT / "experiments").glob("*.py")}
-    # a callback, a time model, the GPU check's verdicts (gpu_check.py's second module)
-    entry_points -= {"experiments.__init__", "experiments.callbacks", "experiments.sizing", "experiments.gpu_verdicts"}
+    # a callback, a time model, the GPU check's verdicts and stages (gpu_check.py's second and third modules)
+    entry_points -= {"experiments.__init__", "experiments.callbacks", "experiments.sizing", "experiments.gpu_verdicts",
+                     "experiments.gpu_stages"}  # fmt: skip
     assert entry_points <= modules
     for target in scripts.values():
         module, _, function = target.partition(":")
