@@ -47,7 +47,7 @@ SERVE_KV_DTYPES = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8")  # pe
 
 def check_servable(args, *, attn_impl: str = "sdpa", windowed: bool = False) -> None:
     """What serving's per-sequence attention cannot run for this model, one ConfigError line before anything is
-    built, not an Unsupported mid-run: MLA's latent (harness.kv.varlen_latent) is read by SDPA only, and without a
+    built, not an Unsupported mid-run: MLA's latent (harness.modeling.mla.MLAttention._attend_varlen) is read by SDPA only, and without a
     window."""
     if args.is_mla and attn_impl != "sdpa":
         raise ConfigError(f"attn_impl: {args.name} is MLA, whose served latent attention runs SDPA only; allowed: sdpa")
