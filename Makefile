@@ -27,7 +27,7 @@ SLURM_ARGS ?=
 SLURM_RESULTS ?= results/slurm-check
 
 .PHONY: help setup run test test-cuda-trace lint docs ceilings tiers prefix-reuse accuracy-real pd dashboard screenshot bench-dashboard bench bench-sweep \
-	serve-quick serve-qps serve-real bench-serve bench-tiers-overlap \
+	serve-quick serve-qps serve-real bench-serve bench-tiers-overlap bench-llamacpp \
 	clean-results gpu-wheels slurm-check slurm-up slurm-down
 
 help: ## Show this help
@@ -131,6 +131,17 @@ bench-dashboard: setup ## Time every dashboard page over 100k rows (AppTest and 
 
 bench: setup ## Our decode loop against transformers' generate(): same weights, interleaved rounds; prints the table
 	$(BIN)/python -m experiments.versus $(ARGS)
+
+# make bench-llamacpp: llama-cpp-python is a source package; pip builds llama.cpp with cmake (-march=native, about
+# 20 minutes on 2 busy cores), once into .venv. Never part of make setup or make test, whose llama.cpp tests skip
+# without it.
+LLAMACPP_PIP := llama-cpp-python==0.3.36
+$(VENV)/.llamacpp: | $(VENV)/.installed
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install $(LLAMACPP_PIP)
+	touch $@
+
+bench-llamacpp: setup $(VENV)/.llamacpp ## SmolLM2-135M through llama.cpp beside our loop: same weights, KV types, tok/s, KL, roof
+	$(BIN)/python -m experiments.llamacpp $(ARGS)
 
 serve-quick: setup ## Serve 32 requests on the small model with continuous batching over a paged pool; prints the run
 	$(BIN)/python -m experiments.serve experiment=serve-quick $(ARGS)

@@ -108,7 +108,9 @@ def write_gguf(checkpoint: str | Path, template: str | Path, target: str | Path,
     checkpoint, target = Path(checkpoint), Path(target)
     config = json.loads((checkpoint / "config.json").read_text())
     if config.get("model_type") not in ("llama", "mistral"):
-        raise ConfigError(f"weights: {checkpoint} is a {config.get('model_type')!r} checkpoint; allowed: llama, mistral")
+        raise ConfigError(
+            f"weights: {checkpoint} is a {config.get('model_type')!r} checkpoint; allowed: llama, mistral"
+        )
     if config.get("rope_scaling") or _rope_parameters(config).get("rope_type", "default") != "default":
         raise ConfigError(f"weights: {checkpoint} scales RoPE, which write_gguf does not carry; allowed: plain RoPE")
     reader = gguf.GGUFReader(str(template))
@@ -120,13 +122,18 @@ def write_gguf(checkpoint: str | Path, template: str | Path, target: str | Path,
     writer = gguf.GGUFWriter(str(partial), arch="llama")
     try:
         for field in reader.fields.values():  # general.* and tokenizer.* from the template, as they are
-            if field.name.startswith(("GGUF.", "llama.")) or field.name in ("general.architecture", "general.file_type"):
+            if field.name.startswith(("GGUF.", "llama.")) or field.name in (
+                "general.architecture",
+                "general.file_type",
+            ):
                 continue
             value_type = field.types[0]
             sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
         for key, value in hyperparameters(config).items():
-            writer.add_key_value(key, value, gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32)
+            writer.add_key_value(
+                key, value, gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
+            )
         writer.add_file_type(FILE_TYPE[tensor_type])
         state: dict[str, np.ndarray] = {}
         for file in sorted(checkpoint.glob("*.safetensors")):

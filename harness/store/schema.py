@@ -105,8 +105,20 @@ COLUMNS: tuple[Column, ...] = (
     Column("n_heads", "int64", "", "Query heads per layer"),
     Column("n_kv_heads", "int64", "", "Key/value heads per layer (fewer than n_heads under GQA/MQA)"),
     Column("head_dim", "int64", "", "Channels per attention head"),
-    Column("dtype", "string", "", "Compute dtype of weights and activations: fp32, fp16 or bf16"),
-    Column("kv_dtype", "string", "", "Storage dtype of the KV cache (kv_dtype=auto resolved to dtype)"),
+    Column(
+        "dtype",
+        "string",
+        "",
+        "Compute dtype of weights and activations: fp32, fp16 or bf16; a llama.cpp row's GGUF tensor type (f32, f16, "
+        "q4_1)",
+    ),
+    Column(
+        "kv_dtype",
+        "string",
+        "",
+        "Storage dtype of the KV cache (kv_dtype=auto resolved to dtype); a llama.cpp row's type_k = type_v (f32, "
+        "f16, q8_0, q4_0)",
+    ),
     Column("cache", "string", "", "KV-cache strategy name"),
     Column("block_size", "int64", "tokens", "Tokens per KV block; null unless the cache is paged"),
     Column("pool_tokens", "int64", "tokens", "Token capacity of the KV block pool; null unless the cache is paged"),
@@ -157,13 +169,19 @@ COLUMNS: tuple[Column, ...] = (
     Column("mean_request_len", "float64", "tokens", "mixed: mean final length (prompt + generated) of the requests"),
     Column("device", "string", "", "cpu or cuda"),
     Column("weights", "string", "", "dummy (random weights) or the checkpoint path"),
-    Column("runner", "string", "", "Whose decode loop: kvbench, or transformers (make bench's side-by-side)"),
+    Column(
+        "runner",
+        "string",
+        "",
+        "Whose decode loop: kvbench, transformers (make bench's side-by-side) or llama.cpp (make bench-llamacpp)",
+    ),
     Column(
         "loop",
         "string",
         "",
         "make bench's loop: kvbench (with its probes), kvbench-bare (without them), hf-dynamic or hf-static "
-        "(transformers' generate() with its DynamicCache or StaticCache); null for a decode point",
+        "(transformers' generate() with its DynamicCache or StaticCache), llama.cpp (make bench-llamacpp: llama_decode "
+        "per token through llama-cpp-python); null for a decode point",
     ),
     Column("compile", "string", "", "torch.compile mode of the decode step: none, default or reduce-overhead"),
     Column(
@@ -288,6 +306,12 @@ COLUMNS: tuple[Column, ...] = (
         "Analytic: the prefix's prefill FLOPs over the measured matmul peak (the roofline's prefill model)",
     ),
     Column("repeats", "int64", "", "Measured repeats, warm-up excluded"),
+    Column(
+        "n_threads",
+        "int64",
+        "",
+        "CPU threads the loop ran with (make bench-llamacpp: both engines alike); null elsewhere",
+    ),
     # Convergence and host noise: whether the figures above can be trusted (harness/measure/timing.py, harness/measure/host_noise.py)
     Column(
         "tpot_samples_ms",
@@ -529,6 +553,13 @@ COLUMNS: tuple[Column, ...] = (
     Column("logit_max_abs_err", "float64", "", "Largest |logit - exact logit| over every step, sequence and token"),
     Column("kl_mean", "float64", "nats", "Mean KL(exact || lossy) of the next-token distributions over all steps"),
     Column("top1_agreement", "float64", "", "Fraction of steps whose argmax equals the exact cache's"),
+    Column(
+        "accuracy_reference",
+        "string",
+        "",
+        "What kl_mean and top1_agreement compare against when it is not the exact cache of this engine and weights "
+        "(contiguous at the compute dtype): a llama.cpp row's is llama.cpp's own run on F32 weights with an f32 KV cache",
+    ),
     Column("eval_text", "string", "", "Local text file whose perplexity was measured; null when none"),
     Column(
         "ppl",

@@ -85,7 +85,9 @@ def test_written_ggufs_hold_the_checkpoint_in_llamacpps_layout(tiny_checkpoint, 
     checkpoint, template = tiny_checkpoint
     original = load_file(str(checkpoint / "model.safetensors"))
     for tensor_type in gguf_write.TENSOR_TYPES:
-        target = gguf_write.write_gguf(checkpoint, template, tmp_path / f"tiny-{tensor_type}.gguf", tensor_type=tensor_type)
+        target = gguf_write.write_gguf(
+            checkpoint, template, tmp_path / f"tiny-{tensor_type}.gguf", tensor_type=tensor_type
+        )
         reader = gguf.GGUFReader(str(target))
         assert reader.fields["general.file_type"].contents() == gguf_write.FILE_TYPE[tensor_type]
         assert reader.fields["llama.attention.head_count_kv"].contents() == 2
@@ -102,7 +104,9 @@ def test_written_ggufs_hold_the_checkpoint_in_llamacpps_layout(tiny_checkpoint, 
             values = np.asarray(stored.data).astype(np.float32).reshape(tensor.shape)
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 values = gguf_write.unpermute_rope(values, n_heads=4 if "q_proj" in name else 2)
-            expected = tensor if tensor_type == "F32" or tensor.ndim == 1 else tensor.astype(np.float16).astype(np.float32)
+            expected = (
+                tensor if tensor_type == "F32" or tensor.ndim == 1 else tensor.astype(np.float16).astype(np.float32)
+            )
             np.testing.assert_array_equal(values, expected, err_msg=name)
     assert not list(tmp_path.glob(".*partial*"))  # each renamed once whole
 
@@ -133,7 +137,9 @@ def smollm_f32(tmp_path_factory):
     """SmolLM2-135M's checkpoint and the F32 GGUF written from it."""
     checkpoint = gguf_checkpoint.resolve_weights(bench.MODEL, "dummy")
     target = tmp_path_factory.mktemp("smollm-gguf") / "smollm2-F32.gguf"
-    return checkpoint, gguf_write.write_gguf(checkpoint, gguf_checkpoint.wheel_gguf(bench.MODEL), target, tensor_type="F32")
+    return checkpoint, gguf_write.write_gguf(
+        checkpoint, gguf_checkpoint.wheel_gguf(bench.MODEL), target, tensor_type="F32"
+    )
 
 
 @NEEDS_LLAMACPP
@@ -144,8 +150,8 @@ def test_llamacpp_on_the_written_gguf_picks_our_greedy_tokens(smollm_f32):
     from harness import kv
     from harness.config import RunConfig
     from harness.measure import accuracy
-    from harness.modeling.decode import generate
     from harness.measure.timing import StepTimer
+    from harness.modeling.decode import generate
     from harness.run import versus
     from harness.run.point import cache_spec, make_prompts
 
@@ -157,8 +163,17 @@ def test_llamacpp_on_the_written_gguf_picks_our_greedy_tokens(smollm_f32):
         np.testing.assert_array_equal(np.asarray(tensor.data), expected, err_msg=tensor.name)
 
     steps = 16
-    cfg = RunConfig(model={"name": bench.MODEL}, cache={"name": "contiguous"}, device="cpu", dtype="fp32", batch_size=1,
-                    prompt_len=64, gen_len=steps, prompt_source="sharegpt", isolate=False)
+    cfg = RunConfig(
+        model={"name": bench.MODEL},
+        cache={"name": "contiguous"},
+        device="cpu",
+        dtype="fp32",
+        batch_size=1,
+        prompt_len=64,
+        gen_len=steps,
+        prompt_source="sharegpt",
+        isolate=False,
+    )
     args = cfg.model_args()
     prompt = make_prompts(cfg, vocab_size=args.vocab_size).ids
     model = versus.load_our_model(checkpoint, args=args, dtype="fp32", device=torch.device("cpu"), n_positions=128)
