@@ -3,7 +3,8 @@
 llama.cpp runs through llama-cpp-python (its ctypes binding; `make bench-llamacpp` builds it into .venv once). Its
 loop is the one llama.cpp's own examples run: one llama_decode of the whole prompt, then one llama_decode per token,
 the next token the argmax of the last logits (greedy, no sampler chain), on `threads` threads, flash attention on
-(llama.cpp needs it to store V quantized). Timing matches harness.measure.timing.Sample: TTFT is the prompt's decode
+(llama.cpp needs it to store V quantized) except with an f32 cache, which flash attention would cast to f16
+(flash_attn). Timing matches harness.measure.timing.Sample: TTFT is the prompt's decode
 plus the first argmax, then one interval per later token, each ending when its argmax is known on the host.
 
 What llama.cpp's rows are measured against (the columns a kvbench row has, computed the same way):
@@ -56,7 +57,8 @@ def require():
 
 
 def load(path: str | Path, *, kv_type: str, n_ctx: int, threads: int, logits_all: bool = False):
-    """A llama.cpp model and context on the CPU: K and V stored as kv_type, flash attention, prompt in one batch."""
+    """A llama.cpp model and context on the CPU: K and V stored as kv_type, the prompt in one batch, flash attention
+    for every type but f32 (flash_attn(kv_type))."""
     llama_cpp = require()
     if kv_type not in KV_TYPES:
         raise ConfigError(f"kv_type: unknown value {kv_type!r}; allowed: {', '.join(KV_TYPES)}")
@@ -70,11 +72,19 @@ def load(path: str | Path, *, kv_type: str, n_ctx: int, threads: int, logits_all
         n_gpu_layers=0,
         type_k=KV_TYPES[kv_type],
         type_v=KV_TYPES[kv_type],
-        flash_attn=True,
+        flash_attn=flash_attn(kv_type),
         logits_all=logits_all,
         seed=0,
         verbose=False,
     )
+
+
+def flash_attn(kv_type: str) -> bool:
+    """Whether llama.cpp attends with flash attention: it must to read V quantized (q8_0, q4_0), and f16 runs it too;
+    but its flash-attention graph casts an f32 cache to f16 first (llama-graph.cpp, build_attn_mha), so f32 K/V stay
+    f32 only in the plain path (mul_mat over the cache, softmax, mul_mat): measured, f32 with flash attention gives
+    logits bit-identical to f16's."""
+    return kv_type != "f32"
 
 
 def last_logits(llm) -> np.ndarray:
