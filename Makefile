@@ -56,8 +56,8 @@ run: setup ## The quickstart sweep on the best device present (cuda, else cpu); 
 	echo "kvbench: running experiment=$$exp"; \
 	$(BIN)/python -m experiments.decode experiment=$$exp $(ARGS)
 
-test: setup ## The whole test suite (GPU tests skip cleanly without a GPU), in TEST_WORKERS processes
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+test: setup ## The whole test suite (GPU tests skip cleanly without a GPU), in TEST_WORKERS processes; lists the 25 slowest tests
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 $(VENV_CUDA)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_CUDA)

@@ -7,16 +7,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from dashboard import data
-from harness.store import disk
 from tests.dashboard.test_dashboard import reference_rows, write_rows
 
 
 @pytest.fixture(scope="session")
 def reference() -> pd.DataFrame:
-    """The committed reference rows (results/reference), loaded once for the folder (seconds); no test modifies
-    them."""
-    return disk.load(data.REFERENCE_DIR)
+    """The committed reference rows (results/reference), loaded once for the folder (seconds; the same read as
+    reference_rows()'s); no test modifies them."""
+    return reference_rows()
 
 
 @pytest.fixture

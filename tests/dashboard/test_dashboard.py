@@ -8,6 +8,7 @@ table); tests/dashboard/test_dashboard_pages.py draws the pages over them.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 from pathlib import Path
@@ -26,6 +27,13 @@ COMMITTED_REFERENCE = data.REFERENCE_DIR  # results/reference: real rows of thre
 
 
 def reference_rows() -> pd.DataFrame:
+    """The committed reference rows, a fresh copy for each caller to change as it likes: read from disk once per
+    test process (seconds), since the dashboard's tests build most of their fixtures from them."""
+    return _committed_reference().copy()
+
+
+@functools.cache
+def _committed_reference() -> pd.DataFrame:
     return disk.load(COMMITTED_REFERENCE)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -55,6 +56,12 @@ def fixture_dir(tmp_path_factory) -> Path:
     return directory
 
 
+@pytest.fixture(scope="module")
+def fixture_rows(fixture_dir) -> pd.DataFrame:
+    """fixture_dir's rows as disk.load reads them, loaded once: no test writes into fixture_dir."""
+    return disk.load(fixture_dir)
+
+
 @pytest.fixture
 def quickstart_dir(tmp_path) -> Path:
     """The quickstart rows alone: an older schema (no roofline or profiler columns), no ops, no frontier."""
@@ -98,20 +105,20 @@ def texts(elements) -> str:
 # ---------------------------------------------------------------------------------------------------- the pages
 
 
-def test_overview_table_adds_the_columns_picked_under_more_columns(monkeypatch, fixture_dir):
+def test_overview_table_adds_the_columns_picked_under_more_columns(monkeypatch, fixture_dir, fixture_rows):
     at = open_app(monkeypatch, fixture_dir)
     (more,) = [widget for widget in at.multiselect if widget.label == "more columns"]
     assert "point_id" in more.options and "itl_ms" not in more.options
     more.set_value(["point_id", "prof_gemm_frac"]).run()
     table = at.dataframe[1].value
     assert list(table.columns[-2:]) == ["point_id", "prof_gemm_frac"]
-    assert table["point_id"].tolist() == disk.load(fixture_dir)["point_id"].tolist()
+    assert table["point_id"].tolist() == fixture_rows["point_id"].tolist()
 
 
-def test_overview_lists_the_sweeps_the_headline_figures_and_the_rows(monkeypatch, fixture_dir):
+def test_overview_lists_the_sweeps_the_headline_figures_and_the_rows(monkeypatch, fixture_dir, fixture_rows):
     at = open_app(monkeypatch, fixture_dir)
     sweeps, rows = at.dataframe
-    expected = disk.load(fixture_dir)
+    expected = fixture_rows
     assert set(sweeps.value["sweep_id"]) == set(expected["sweep_id"])
     assert sweeps.value["rows"].sum() == len(expected)
     assert sweeps.value["unsupported"].sum() == (expected["status"] == "unsupported").sum()
@@ -201,7 +208,7 @@ def test_roofline_page_draws_only_the_batch_sweep_metric_chosen(monkeypatch, fix
     assert [figure["layout"]["yaxis"]["title"]["text"] for figure in figures(at)[1:]] == ["time per output token (ms)"]
 
 
-def test_memory_page_draws_the_capacity_and_compares_planner_with_measured_kv(monkeypatch, fixture_dir):
+def test_memory_page_draws_the_capacity_and_compares_planner_with_measured_kv(monkeypatch, fixture_dir, fixture_rows):
     at = open_app(monkeypatch, fixture_dir, page="memory")
     (capacity,) = at.number_input
     assert capacity.value > 0  # CPU rows without a cap: this machine's RAM
@@ -211,15 +218,15 @@ def test_memory_page_draws_the_capacity_and_compares_planner_with_measured_kv(mo
     (kv,) = at.dataframe
     assert {"kv_bytes_predicted", "kv_bytes_allocated", "allocated_over_predicted"} <= set(kv.value.columns)
     assert {"kv_bytes_planner", "allocated_over_planner"} <= set(kv.value.columns)
-    measured = disk.load(fixture_dir).query("status == 'ok'")
+    measured = fixture_rows.query("status == 'ok'")
     assert len(kv.value) == measured["kv_bytes_predicted"].notna().sum()  # mixed lengths have no prediction
 
 
-def test_strategies_page_tabulates_every_cache_and_format(monkeypatch, fixture_dir):
+def test_strategies_page_tabulates_every_cache_and_format(monkeypatch, fixture_dir, fixture_rows):
     at = open_app(monkeypatch, fixture_dir, page="strategies")
     choose_strategies_sweep(at)
     (table,) = at.dataframe
-    ok = disk.load(fixture_dir).query("status == 'ok'")
+    ok = fixture_rows.query("status == 'ok'")
     shown = ok.merge(table.value[["model", "dtype", "batch_size", "prompt_len", "gen_len"]].drop_duplicates())
     assert len(table.value) == len(shown[["cache", "kv_dtype"]].drop_duplicates())  # the workload shown, whole
     assert {"none", "contiguous", "paged", "sliding", "prefix"} <= {t["name"] for t in figures(at)[0]["data"]}

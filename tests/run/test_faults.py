@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,8 +32,10 @@ QUICK = [*TINY, "profile=false"]  # these tests are about rows surviving, not ab
 # a spawned worker costs seconds of interpreter and torch import per invocation.
 IN_PROCESS = [*QUICK, "isolate=false"]
 
+# One repeat, never retried for noise (retry_noisy=false): these points are about their process, not their figures.
 FAST_POINT = dict(model={"name": "tiny"}, device="cpu", dtype="fp32", prompt_len=8, gen_len=4, warmup=0,
-                  min_repeats=1, max_repeats=1, profile=False, roofline=False, accuracy=False)  # fmt: skip
+                  min_repeats=1, max_repeats=1, retry_noisy=False, profile=False, roofline=False,
+                  accuracy=False)  # fmt: skip
 
 
 def sweep_command(results_dir: Path, *overrides: str, base: list[str] = QUICK) -> list[str]:
@@ -44,11 +47,35 @@ def point_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*.parquet") if not p.name.endswith(disk.OPS_SUFFIX))
 
 
+@pytest.fixture(scope="module")
+def points():
+    """One Runner for the module's tests of the measuring process: each test's first point takes the worker the
+    previous test left warm, if any, instead of spawning its own (seconds of interpreter and torch import each). A
+    test that kills its worker or closes it needs none: the Runner spawns a fresh one for the next point."""
+    with runner.Runner() as shared:
+        yield shared
+
+
+@pytest.fixture(scope="module")
+def two_points(tmp_path_factory) -> Path:
+    """A results folder holding a finished two-point sweep (batch 1, 2), swept once for the module: a test that
+    writes into it works on its own copy (`copy_of`)."""
+    directory = tmp_path_factory.mktemp("two-points")
+    proc = kvbench(*IN_PROCESS, "batch_size=1,2", f"results_dir={directory}", multirun=True)
+    assert proc.returncode == 0, proc.stderr
+    return directory
+
+
+def copy_of(results: Path, directory: Path) -> Path:
+    shutil.copytree(results, directory)
+    return directory
+
+
 # ------------------------------------------------------------------------------------------------ killed mid-sweep
 
 
 def test_a_sweep_killed_mid_point_keeps_every_finished_row_and_resume_completes_exactly_the_rest(tmp_path):
-    batches = [1, 2, 3, 4, 5, 6]
+    batches = [1, 2, 3, 4]  # killed once two rows are written: the third is being measured, the fourth never was
     command = sweep_command(
         tmp_path,
         f"batch_size={','.join(map(str, batches))}",
@@ -106,34 +133,35 @@ class KilledConfig(RunConfig):
 
 
 @pytest.mark.parametrize(("config", "signal_name"), [(SegfaultingConfig, "SIGSEGV"), (KilledConfig, "SIGKILL")])
-def test_a_measuring_process_that_dies_is_an_error_row_with_its_signal_and_the_next_point_runs(config, signal_name):
-    with runner.Runner() as points:
-        row = points.run_point(config(**FAST_POINT)).row
-        assert row["status"] == "error"
-        assert f"killed by signal {signal_name}" in row["error"]
-        assert row["point_id"] == RunConfig(**FAST_POINT).point_id() and row["model"] == "tiny"
-        assert points.run_point(RunConfig(**FAST_POINT)).row["status"] == "ok"  # a fresh worker took over
+def test_a_measuring_process_that_dies_is_an_error_row_with_its_signal_and_the_next_point_runs(
+    points, config, signal_name
+):
+    row = points.run_point(config(**FAST_POINT)).row
+    assert row["status"] == "error"
+    assert f"killed by signal {signal_name}" in row["error"]
+    assert row["point_id"] == RunConfig(**FAST_POINT).point_id() and row["model"] == "tiny"
+    assert points.warm is None  # the dead worker is not kept
+    assert points.run_point(RunConfig(**FAST_POINT)).row["status"] == "ok"  # a fresh worker took over
 
 
-def test_a_warm_worker_serves_the_next_point_and_reports_that_points_own_peak():
-    with runner.Runner() as points:
-        points.run_point(RunConfig(**FAST_POINT))
-        worker = points.warm
-        assert worker is not None and worker.alive()
-        big = points.run_point(RunConfig(**FAST_POINT | dict(model={"name": "small"}, batch_size=4, prompt_len=256)))
-        assert points.warm is worker  # the same process measured the second point
-        small_warm = points.run_point(RunConfig(**FAST_POINT)).row
-        small_fresh = points.run_point(RunConfig(**FAST_POINT, reuse_worker=False)).row
-        assert points.warm is None  # reuse_worker=false: that worker was closed
+def test_a_warm_worker_serves_the_next_point_and_reports_that_points_own_peak(points):
+    points.run_point(RunConfig(**FAST_POINT))
+    worker = points.warm
+    assert worker is not None and worker.alive()
+    # ~1 GB of KV (4096 x 68 tokens at 3.4 KB each) over the runtime's ~0.5 GB: a peak far above the small point's
+    big = points.run_point(RunConfig(**FAST_POINT | dict(batch_size=4096, prompt_len=64)))
+    assert points.warm is worker  # the same process measured the second point
+    small_warm = points.run_point(RunConfig(**FAST_POINT)).row
+    small_fresh = points.run_point(RunConfig(**FAST_POINT, reuse_worker=False)).row
+    assert points.warm is None  # reuse_worker=false: that worker was closed
     # The big point's peak must not leak into the small one measured after it in the same process.
     assert big.row["peak_mem_bytes"] > 2 * small_fresh["peak_mem_bytes"]
     assert small_warm["peak_mem_bytes"] < 1.25 * small_fresh["peak_mem_bytes"]
 
 
-def test_a_worker_is_not_reused_after_a_capped_point():
-    with runner.Runner() as points:
-        points.run_point(RunConfig(**FAST_POINT, max_memory_gb=4.0))
-        assert points.warm is None
+def test_a_worker_is_not_reused_after_a_capped_point(points):
+    assert points.run_point(RunConfig(**FAST_POINT, max_memory_gb=4.0)).row["status"] == "ok"
+    assert points.warm is None
 
 
 # ------------------------------------------------------------------------------------------- concurrent sweeps
@@ -155,22 +183,22 @@ def test_two_sweeps_writing_into_one_results_dir_at_once_lose_no_row(tmp_path):
 # ------------------------------------------------------------------------------------------------- a full disk
 
 
-def test_a_full_disk_stops_the_sweep_with_one_line_and_damages_nothing_written(tmp_path):
-    assert kvbench(*IN_PROCESS, "batch_size=1,2", f"results_dir={tmp_path}", multirun=True).returncode == 0
-    before = disk.load(tmp_path)
-    files = {path: path.read_bytes() for path in point_files(tmp_path)}
+def test_a_full_disk_stops_the_sweep_with_one_line_and_damages_nothing_written(two_points, tmp_path):
+    results = copy_of(two_points, tmp_path / "results")
+    before = disk.load(results)
+    files = {path: path.read_bytes() for path in point_files(results)}
 
     def full_disk() -> None:  # no file may grow past 6 KiB: a row (~30 KiB) cannot be written
         resource.setrlimit(resource.RLIMIT_FSIZE, (6 * 1024, 6 * 1024))
 
-    proc = subprocess.run(sweep_command(tmp_path, "batch_size=3,4", base=IN_PROCESS), cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run(sweep_command(results, "batch_size=3,4", base=IN_PROCESS), cwd=ROOT, capture_output=True, text=True,
                           timeout=600, preexec_fn=full_disk)  # fmt: skip
     assert proc.returncode != 0
     (line,) = [line for line in proc.stderr.splitlines() if line.startswith("kvbench: cannot write results")]
     assert "File too large" in line and "not recorded" in line
-    assert {path: path.read_bytes() for path in point_files(tmp_path)} == files  # nothing damaged, nothing added
-    pd.testing.assert_frame_equal(disk.load(tmp_path), before)
-    assert not [p for p in tmp_path.rglob(".*.tmp-*")]  # the cut-short write cleaned up after itself
+    assert {path: path.read_bytes() for path in point_files(results)} == files  # nothing damaged, nothing added
+    pd.testing.assert_frame_equal(disk.load(results), before)
+    assert not [p for p in results.rglob(".*.tmp-*")]  # the cut-short write cleaned up after itself
 
 
 def test_a_read_only_results_dir_raises_a_clear_error_and_keeps_the_row_there(tmp_path, monkeypatch):
@@ -211,17 +239,16 @@ def test_corrupt_files_are_skipped_by_load_export_and_the_dashboard_with_every_o
 # --------------------------------------------------------------------------------------- resume, force, backstop
 
 
-def test_a_rerun_skips_recorded_points_and_force_measures_them_again(tmp_path):
-    first = kvbench(*IN_PROCESS, "batch_size=1,2", f"results_dir={tmp_path}", multirun=True)
-    assert first.returncode == 0, first.stderr
-    again = kvbench(*IN_PROCESS, "batch_size=1,2,3", f"results_dir={tmp_path}", multirun=True)
+def test_a_rerun_skips_recorded_points_and_force_measures_them_again(two_points, tmp_path):
+    results = copy_of(two_points, tmp_path / "results")  # batch 1 and 2, swept (IN_PROCESS) by the fixture
+    again = kvbench(*IN_PROCESS, "batch_size=1,2,3", f"results_dir={results}", multirun=True)
     assert again.returncode == 0, again.stderr
     assert "resumed: 2 of them already recorded" in again.stdout and "3 points" in again.stdout
-    assert sorted(disk.load(tmp_path)["batch_size"]) == [1, 2, 3]
-    forced = kvbench(*IN_PROCESS, "batch_size=1,2", "force=true", f"results_dir={tmp_path}", multirun=True)
+    assert sorted(disk.load(results)["batch_size"]) == [1, 2, 3]
+    forced = kvbench(*IN_PROCESS, "batch_size=1,2", "force=true", f"results_dir={results}", multirun=True)
     assert forced.returncode == 0, forced.stderr
     assert "resumed" not in forced.stdout
-    assert sorted(disk.load(tmp_path)["batch_size"]) == [1, 1, 2, 2, 3]
+    assert sorted(disk.load(results)["batch_size"]) == [1, 1, 2, 2, 3]
 
 
 def test_error_points_are_retried_and_committed_references_never_count(tmp_path):

@@ -43,6 +43,7 @@ def test_fp32_multirun_gives_identical_output_digests_across_strategies(tmp_path
     proc = kvbench(
         *TINY,
         "dtype=fp32",
+        "profile=false",  # digests are the point here; the profiler has tests of its own
         "batch_size=1,3",
         "prompt_len=19",
         "cache=none,contiguous,paged",
@@ -65,6 +66,7 @@ def test_contiguous_allocation_equals_the_prediction_and_paged_live_follows_the_
     proc = kvbench(
         *TINY,
         "dtype=fp32",
+        "profile=false",  # KV bytes are the point here; the profiler has tests of its own
         "batch_size=2",
         "prompt_len=21",
         "cache=contiguous,paged",
@@ -118,30 +120,47 @@ def test_a_single_run_prints_its_summary(tmp_path):
     assert proc.stdout.splitlines()[-1].endswith(f" show {run_dir})")  # the next step: kvbench-results show
 
 
-@pytest.mark.parametrize(
-    ("override", "message"),
-    [
-        ("model=gpt-5", "Could not find 'model/gpt-5'"),  # Hydra's own check lists the available options
-        ("model.name=gpt-5", "model: unknown preset 'gpt-5'; allowed:"),
-        ("cache.name=lru", "cache: unknown strategy 'lru'; allowed:"),
-        ("dtype=fp64", "dtype: unknown value 'fp64'; allowed: fp32, fp16, bf16"),
-        ("batch_size=0", "batch_size: must be positive"),
-        ("prompt_len=8190", "prompt_len + gen_len: 8196 exceeds tiny's 8192 positions"),
-        ("weights=/does/not/exist", "weights: '/does/not/exist' is neither 'dummy' nor an existing directory"),
-    ],
-)
-def test_bad_input_fails_with_one_line_and_records_nothing(tmp_path, override, message):
-    proc = kvbench(*TINY, override, f"results_dir={tmp_path}")
-    assert proc.returncode != 0
-    assert message in proc.stderr
-    assert not list(tmp_path.rglob("*.parquet"))
+BAD_INPUT = [
+    ("model=gpt-5", "Could not find 'model/gpt-5'"),  # Hydra's own check lists the available options
+    ("model.name=gpt-5", "model: unknown preset 'gpt-5'; allowed:"),
+    ("cache.name=lru", "cache: unknown strategy 'lru'; allowed:"),
+    ("dtype=fp64", "dtype: unknown value 'fp64'; allowed: fp32, fp16, bf16"),
+    ("batch_size=0", "batch_size: must be positive"),
+    ("prompt_len=8190", "prompt_len + gen_len: 8196 exceeds tiny's 8192 positions"),
+    ("weights=/does/not/exist", "weights: '/does/not/exist' is neither 'dummy' nor an existing directory"),
+]
+BAD_SWEEP = ["-m", *TINY, "batch_size=1,0"]  # a multirun with one bad point
 
 
-def test_a_bad_point_in_a_sweep_stops_it_before_anything_is_measured(tmp_path):
-    proc = kvbench(*TINY, "batch_size=1,0", f"results_dir={tmp_path}", multirun=True)
-    assert proc.returncode == 2
-    assert "bad config: sweep point [" in proc.stderr and "batch_size: must be positive, got 0" in proc.stderr
-    assert not list(tmp_path.rglob("*.parquet"))
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict[str, tuple[dict, Path]]:
+    """Each bad command line's exit status, stdout and stderr, and its own results_dir: all run in one spawned
+    interpreter (tests/run/cli_runs.py), each through experiments.decode as `python -m` runs it, so that the
+    refusals cost one interpreter, torch and Hydra start, not one each. Keyed by the bad override ("sweep": the
+    multirun)."""
+    base = tmp_path_factory.mktemp("refused")
+    cases = {override: [*TINY, override] for override, _ in BAD_INPUT} | {"sweep": BAD_SWEEP}
+    dirs = {key: base / f"case-{i}" for i, key in enumerate(cases)}
+    argvs = [[*argv, f"results_dir={dirs[key]}"] for key, argv in cases.items()]
+    proc = subprocess.run([sys.executable, "-m", "tests.run.cli_runs", json.dumps(argvs)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return {key: (run, dirs[key]) for key, run in zip(cases, json.loads(proc.stdout), strict=True)}
+
+
+@pytest.mark.parametrize(("override", "message"), BAD_INPUT)
+def test_bad_input_fails_with_one_line_and_records_nothing(refused, override, message):
+    run, results_dir = refused[override]
+    assert run["returncode"] != 0
+    assert message in run["stderr"]
+    assert not list(results_dir.rglob("*.parquet"))
+
+
+def test_a_bad_point_in_a_sweep_stops_it_before_anything_is_measured(refused):
+    run, results_dir = refused["sweep"]
+    assert run["returncode"] == 2
+    assert "bad config: sweep point [" in run["stderr"] and "batch_size: must be positive, got 0" in run["stderr"]
+    assert not list(results_dir.rglob("*.parquet"))
 
 
 def broken_checkpoint(checkpoint: Path) -> Path:

@@ -1,0 +1,45 @@
+"""Several `python -m experiments.decode ...` command lines run one after another in one interpreter, each as
+`python -m` runs it (runpy, as __main__, its own sys.argv), its exit status and stderr kept apart.
+
+For the tests of input the entry point refuses before anything is measured: each refusal is the entry point's own
+(Hydra's composition, RunConfig's checks, the sweep's up-front check), and one process pays the interpreter, torch
+and Hydra start once instead of once per command line (seconds each on 2 cores).
+
+    python -m tests.run.cli_runs '[["model=tiny", "batch_size=0"], ["-m", "batch_size=1,0"]]'
+
+prints one JSON list: {"returncode": int, "stdout": str, "stderr": str} per command line, in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import runpy
+import sys
+import traceback
+
+
+def run_entry_point(argv: list[str], module: str = "experiments.decode") -> dict:
+    """One command line through `module` run as __main__: its exit status and output, as the interpreter would
+    give them (0 when it returned, a SystemExit's code, 1 and the traceback for any other exception)."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    sys.argv = [module, *argv]
+    returncode = 0
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as exc:  # sys.exit(n), or Hydra's own exit on a composition error
+            if isinstance(exc.code, int) or exc.code is None:
+                returncode = exc.code or 0
+            else:  # sys.exit("message"): the interpreter prints it and exits 1
+                print(exc.code, file=sys.stderr)
+                returncode = 1
+        except Exception:  # noqa: BLE001  (what an uncaught exception does to a process: its traceback, exit 1)
+            traceback.print_exc()
+            returncode = 1
+    return {"returncode": returncode, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+
+
+if __name__ == "__main__":
+    print(json.dumps([run_entry_point(argv) for argv in json.loads(sys.argv[1])]))
