@@ -196,6 +196,7 @@ def run(settings: dict, out_dir: Path) -> tuple[list[dict], dict]:
                 "runner": "kvbench",
                 "loop": versus.OURS,
                 "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                "kv_bytes_allocated": caches[kv_type].kv_bytes_allocated(),
             }
         else:
             cfg = base
@@ -233,6 +234,8 @@ def run(settings: dict, out_dir: Path) -> tuple[list[dict], dict]:
                 "dtype": weights.lower(),
                 "kv_dtype": kv_type,
                 "cache": None,
+                "kv_bytes_planner": None,  # our planner plans our caches; llama.cpp's is its own
+                "config_json": None,
                 "attn_backend": "llama.cpp-flash-attn" if llamacpp.flash_attn(kv_type) else "llama.cpp",
                 "output_digest": hashlib.sha256(repr(tokens).encode()).hexdigest(),
             }
