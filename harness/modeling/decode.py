@@ -10,6 +10,11 @@ preallocated buffer under a length mask. With mode="reduce-overhead" the compile
 graph and replayed, which removes the per-kernel launch cost that dominates a small model's step. Compilation (and
 the graph's recording) happens in the first calls, inside the warm-up generations (harness.run.point makes sure they run
 enough steps), never in a timed one. Prefill stays eager: it runs once per generation, at a shape of its own.
+
+`freeze` (the CPU): inductor's freezing takes the weights as constants of the graph, so that its weight prepacking
+(`torch._inductor.config.cpp.weight_prepack`, on by default) turns each linear into oneDNN's or MKL's packed linear
+over a pre-laid-out copy of the weight. It needs weights that never change (inference, no autograd), which is what the
+decode step has. `make bench` measures it against the eager step and the plain compiled one (harness.run.levers).
 """
 
 from __future__ import annotations
@@ -99,7 +104,9 @@ def cudagraph_skips() -> int:
     return int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"])
 
 
-def compile_decode_step(model: torch.nn.Module, cache: KVCache, *, mode: str, backend=None) -> DecodeStep:
+def compile_decode_step(
+    model: torch.nn.Module, cache: KVCache, *, mode: str, backend=None, freeze: bool = False
+) -> DecodeStep:
     """decode_one_token under torch.compile(mode), as a DecodeStep: the cache's bookkeeping (prepare) stays eager
     and on the host; the token and the position reach the graph through two device buffers, updated by device
     copies, so no step waits on the host.
@@ -109,11 +116,18 @@ def compile_decode_step(model: torch.nn.Module, cache: KVCache, *, mode: str, ba
     not, and say so only in `torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]` (harness.run.point records it).
 
     backend: a torch.compile backend other than inductor, for tests that trace the step where inductor cannot
-    generate code (fake CUDA tensors, tests/cuda/test_cuda_trace.py); `mode` then still decides the step's protocol."""
+    generate code (fake CUDA tensors, tests/cuda/test_cuda_trace.py); `mode` then still decides the step's protocol.
+
+    freeze: mode=default only, inductor's freezing and weight prepacking (oneDNN/MKL packed linears on the CPU)."""
     device = model.tok_embeddings.weight.device
     check_compilable(cache, mode=mode, device=device)
     cache.enable_static_decode()  # Unsupported for a format without a static-shape write (int4)
-    options = {"backend": backend} if backend is not None else {"mode": mode}
+    if freeze and (mode != "default" or backend is not None):
+        raise ValueError(f"freeze: inductor's freezing needs compile=default and inductor, got mode {mode!r}")
+    if freeze:  # torch.compile takes inductor's config as options, or a mode, never both (default's are the defaults)
+        options = {"options": {"freezing": True, "cpp.weight_prepack": True}}
+    else:
+        options = {"backend": backend} if backend is not None else {"mode": mode}
     compiled = torch.compile(decode_one_token, fullgraph=True, dynamic=False, **options)
     batch = cache.spec.batch_size
     token = torch.zeros((batch, 1), dtype=torch.long, device=device)  # [B, 1]
