@@ -13,8 +13,8 @@ enough steps), never in a timed one. Prefill stays eager: it runs once per gener
 
 `freeze` (the CPU): inductor's freezing takes the weights as constants of the graph, so that its weight prepacking
 (`torch._inductor.config.cpp.weight_prepack`, on by default) turns each linear into oneDNN's or MKL's packed linear
-over a pre-laid-out copy of the weight. It needs weights that never change (inference, no autograd), which is what the
-decode step has. `make bench` measures it against the eager step and the plain compiled one (harness.run.levers).
+over a pre-laid-out copy of the weight (the graph holds those copies: the weights' bytes twice). It needs weights
+that never change (inference, no autograd), which is what the decode step has. `make bench` measures it against the eager step and the plain compiled one (harness.run.levers).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import functools
 from collections.abc import Callable
 
 import torch
+from torch._inductor import config as inductor_config
 from torch.profiler import record_function
 
 from harness import kv
@@ -124,10 +125,10 @@ def compile_decode_step(
     cache.enable_static_decode()  # Unsupported for a format without a static-shape write (int4)
     if freeze and (mode != "default" or backend is not None):
         raise ValueError(f"freeze: inductor's freezing needs compile=default and inductor, got mode {mode!r}")
-    if freeze:  # torch.compile takes inductor's config as options, or a mode, never both (default's are the defaults)
-        options = {"options": {"freezing": True, "cpp.weight_prepack": True}}
-    else:
-        options = {"backend": backend} if backend is not None else {"mode": mode}
+    options = {"backend": backend} if backend is not None else {"mode": mode}
+    # Inductor reads its config when it compiles, inside the first call: patched around every call, so that nothing
+    # else in the process compiles frozen. (torch.compile(options={"freezing": True}) did not freeze, torch 2.13.)
+    frozen = {"freezing": True, "cpp.weight_prepack": True} if freeze else {}
     compiled = torch.compile(decode_one_token, fullgraph=True, dynamic=False, **options)
     batch = cache.spec.batch_size
     token = torch.zeros((batch, 1), dtype=torch.long, device=device)  # [B, 1]
@@ -141,7 +142,8 @@ def compile_decode_step(
         pos.fill_(at)
         if mode == "reduce-overhead":  # a new step: the graph's previous outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-        return compiled(model, cache, token, pos)
+        with inductor_config.patch(frozen):
+            return compiled(model, cache, token, pos)
 
     return step
 
