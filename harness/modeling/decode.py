@@ -133,7 +133,9 @@ def compile_decode_step(
     batch = cache.spec.batch_size
     token = torch.zeros((batch, 1), dtype=torch.long, device=device)  # [B, 1]
     pos = torch.zeros(1, dtype=torch.long, device=device)  # [1]
-    for buffer in (token, pos):  # CUDA graphs read them where they are, instead of copying them in
+    # CUDA graphs read them where they are, instead of copying them in. Never when frozen: freezing folds every static
+    # input the graph does not mutate into a constant, and these two change between calls (by copies outside it).
+    for buffer in () if freeze else (token, pos):
         torch._dynamo.mark_static_address(buffer)
 
     def step(tokens: torch.Tensor, at: int) -> torch.Tensor:
