@@ -229,6 +229,7 @@ def levers_table(rows: list[dict]) -> pd.DataFrame:
     lines = []
     for row in rows:
         lever = lever_of.get(row["lever"])
+        same = row["output_digest"] == base["output_digest"]
         lines.append(
             {
                 "variant": row["lever"],
@@ -240,7 +241,7 @@ def levers_table(rows: list[dict]) -> pd.DataFrame:
                 "lever on/off": "-" if lever is None else f"{lever_speedup(rows, lever):.2f}x",
                 "verdict": "-" if lever is None else lever_verdict(rows, lever),
                 "compile s": "-" if row.get("compile_s") is None else f"{row['compile_s']:.1f}",
-                "same tokens": "-" if lever is None else ("yes" if row["output_digest"] == base["output_digest"] else "no"),
+                "same tokens": "-" if lever is None else ("yes" if same else "no"),
             }
         )
     return pd.DataFrame(lines)

@@ -43,7 +43,9 @@ def load(checkpoint, *, fused: bool):
 
 
 def tiny_prompt(batch_size: int = 2) -> torch.Tensor:
-    return torch.randint(ModelArgs.from_name("tiny").vocab_size, (batch_size, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+    return torch.randint(
+        ModelArgs.from_name("tiny").vocab_size, (batch_size, PROMPT_LEN), generator=torch.Generator().manual_seed(1)
+    )
 
 
 def tiny_cache(batch_size: int = 2):
