@@ -8,8 +8,9 @@
 For each case (dtype x batch) it times four loops in rounds of A B C D after one warm-up each (harness/run/versus.py):
 ours with the harness's probes, transformers with its dynamic and its static cache, and ours bare. Then the levers
 (harness/run/levers.py): our bare loop at fp32 batch 1 as it runs by default and with each lever changed (fused
-projections, the compiled and frozen step, pinned threads), in rounds of their own. Every row goes to <results_dir>/bench-<time>/ (sweep_id = that folder's name); the tables come last. Inputs are checked before
-anything heavy runs: bad input stops with one line naming the field and what it allows.
+projections, the compiled and frozen step, pinned threads), in rounds of their own. Every row goes to
+<results_dir>/bench-<time>/ (sweep_id = that folder's name); the tables come last. Inputs are checked before anything
+heavy runs: bad input stops with one line naming the field and what it allows.
 """
 
 from __future__ import annotations
