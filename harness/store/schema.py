@@ -41,6 +41,7 @@ WORKLOAD_COLUMNS = (
     "mla_path",
     "runner",
     "loop",
+    "lever",
 )
 # How a row kept its KV: the strategy, the storage format and their options (null where a strategy has none).
 # The strategies' option columns (harness.kv.base.Layout.option_columns), null for a strategy without the option.
@@ -183,7 +184,21 @@ COLUMNS: tuple[Column, ...] = (
         "(transformers' generate() with its DynamicCache or StaticCache), llama.cpp (make bench-llamacpp: llama_decode "
         "per token through llama-cpp-python); null for a decode point",
     ),
+    Column(
+        "lever",
+        "string",
+        "",
+        "make bench's lever variant of the bare loop (harness.run.levers): baseline (fused, eager, torch's threads), "
+        "unfused, compiled (compile=default, on the CPU frozen and weight-prepacked) or pinned-threads; null elsewhere",
+    ),
     Column("compile", "string", "", "torch.compile mode of the decode step: none, default or reduce-overhead"),
+    Column(
+        "compile_s",
+        "float64",
+        "s",
+        "make bench's compiled lever: the compiling generation's wall time over an eager one's (in no TPOT); null "
+        "elsewhere",
+    ),
     Column(
         "attn_impl",
         "string",

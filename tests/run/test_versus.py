@@ -259,7 +259,8 @@ def test_a_failed_case_is_a_row_per_loop_whose_cache_is_a_strategy_or_null(raise
         (["--batch", "1,x"], "batch: 'x' is not a positive integer"),
         (["--model", "gpt-5"], "model: unknown preset 'gpt-5'"),
         (["--rounds", "0"], "rounds: must be at least 1"),
-        (["--prompt-len", "8190"], "prompt_len + gen_len: 8222 exceeds small's 8192 positions"),
+        (["--model", "small", "--prompt-len", "8190"], "prompt_len + gen_len: 8222 exceeds small's 8192 positions"),
+        (["--model", "small", "--levers", "fused,turbo"], "levers: unknown value 'turbo'; allowed: fused, compile"),
     ],
 )
 def test_bad_input_stops_with_one_line_naming_the_field_before_anything_runs(argv, message, tmp_path, capsys):
@@ -280,8 +281,19 @@ def test_the_quick_bench_writes_a_row_per_loop_and_case_and_prints_the_table_las
     assert versus_cli.main(["--quick", "--batch", "1", "--results-dir", str(tmp_path)]) == 0
     (folder,) = tmp_path.glob("bench-*")
     rows = disk.load(folder)
-    assert sorted(rows["loop"]) == sorted(versus.LOOPS) and set(rows["sweep_id"]) == {folder.name}
+    side = rows[rows["lever"].isna()]  # the side-by-side's loops; the levers' rows follow
+    assert sorted(side["loop"]) == sorted(versus.LOOPS) and set(rows["sweep_id"]) == {folder.name}
     assert set(rows["cache"].dropna()) == {versus.STRATEGY} and rows["cache"].isna().sum() == len(versus.HF_LOOPS)
     assert (rows["status"] == "ok").all() and rows["peak_bw_gbps"].notna().all()  # quick ceilings were measured
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.split()[:3] == ["tiny", "fp32", "1"]
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1].split()[:3] == ["tiny", "fp32", "1"]
+    # The quick levers (no compile: inductor's build is slow), in rows of the bare loop, each variant's ratio printed.
+    lever_rows = rows[rows["lever"].notna()]
+    assert list(lever_rows["lever"].sort_values()) == ["baseline", "pinned-threads", "unfused"]
+    assert set(lever_rows["loop"]) == {versus.BARE} and lever_rows["peak_read_bw_gbps"].notna().all()
+    ratios = {
+        line.split()[1]: line.split()[6]
+        for line in out.splitlines()
+        if line.split()[:1] in (["unfused"], ["pinned-threads"])
+    }
+    assert set(ratios) == {"fused", "threads"} and all(ratio.endswith("x") for ratio in ratios.values())
