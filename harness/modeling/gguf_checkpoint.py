@@ -188,8 +188,8 @@ def convert(gguf_path: Path, target: Path) -> None:
 @contextlib.contextmanager
 def _parsed_once():
     """gguf's two slow pure steps memoized while the block runs: GGUFReader (a header parse, 49k token strings read
-    one numpy view at a time: ~4 s for SmolLM2), which transformers' loader repeats for the config, the tokenizer and
-    the weights, and get_tensor_name_map (a table of every tensor name for every block, ~25 ms), which it rebuilds
+    one numpy view at a time: ~6 CPU s for SmolLM2), which transformers' loader repeats for the config, the tokenizer and
+    the weights, and get_tensor_name_map (a table of every tensor name for every block, ~35 ms), which it rebuilds
     for each of the model's ~400 submodules. Both are functions of their arguments only (a reader is only read,
     over a read-only memmap; a name map is only looked up), so the checkpoint written is the same bit for bit."""
     if importlib.util.find_spec("gguf") is None:  # check_gguf names the pip install that brings it
