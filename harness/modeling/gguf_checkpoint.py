@@ -15,6 +15,7 @@ checkpoint. A lock file per GGUF lets one process convert while another waits, t
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -25,6 +26,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from unittest import mock
 
 from harness.errors import ConfigError
 from harness.modeling.presets import WHEEL_WEIGHTS
@@ -89,7 +91,13 @@ def checkpoint_dir(gguf_path: Path, *, field: str = "weights", root: Path | None
     whole = root / digest
     if whole.is_dir():  # checked when it was converted; reading a header again costs seconds (49k token strings)
         return _only_checkpoint(whole)
-    check_gguf(gguf_path, field=field)
+    with _parsed_once():  # the header check and the conversion share one parse of the header
+        check_gguf(gguf_path, field=field)
+        return _convert_once(gguf_path, root, digest, whole)
+
+
+def _convert_once(gguf_path: Path, root: Path, digest: str, whole: Path) -> Path:
+    """checkpoint_dir's conversion under the GGUF's lock: one process converts, the others wait and reuse it."""
     root.mkdir(parents=True, exist_ok=True)
     with (root / f"{digest}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when the process dies
@@ -158,22 +166,49 @@ def convert(gguf_path: Path, target: Path) -> None:
     _require("accelerate", field="weights")  # transformers' GGUF loader asks for it
     from safetensors.torch import save_file
 
-    options = {}
-    if hasattr(transformers, "GgufConfig"):  # transformers 5 may keep GGUF blocks packed; a checkpoint is dense
-        options["quantization_config"] = transformers.GgufConfig(dequantize=True)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=str(gguf_path), dtype=torch.float32, **options
-    )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=str(gguf_path))
-    target.mkdir(parents=True)
-    state = {name: tensor.float().contiguous() for name, tensor in model.state_dict().items()}
-    if model.config.tie_word_embeddings:  # the embeddings stored once, under their own name (as the Hub's files)
-        state.pop("lm_head.weight", None)
-    save_file(state, str(target / "model.safetensors"))
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)  # the checkpoint holds plain tensors
-    (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
-    tokenizer.save_pretrained(str(target))
+    with _parsed_once():  # the loader parses the header for config, tokenizer and weights: once here
+        options = {}
+        if hasattr(transformers, "GgufConfig"):  # transformers 5 may keep GGUF blocks packed; a checkpoint is dense
+            options["quantization_config"] = transformers.GgufConfig(dequantize=True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=str(gguf_path), dtype=torch.float32, **options
+        )
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=str(gguf_path))
+        target.mkdir(parents=True)
+        state = {name: tensor.float().contiguous() for name, tensor in model.state_dict().items()}
+        if model.config.tie_word_embeddings:  # the embeddings stored once, under their own name (as the Hub's files)
+            state.pop("lm_head.weight", None)
+        save_file(state, str(target / "model.safetensors"))
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)  # the checkpoint holds plain tensors
+        (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+        tokenizer.save_pretrained(str(target))
+
+
+@contextlib.contextmanager
+def _parsed_once():
+    """gguf's two slow pure steps memoized while the block runs: GGUFReader (a header parse, 49k token strings read
+    one numpy view at a time: ~6 CPU s for SmolLM2), which transformers' loader repeats for the config, the tokenizer and
+    the weights, and get_tensor_name_map (a table of every tensor name for every block, ~35 ms), which it rebuilds
+    for each of the model's ~400 submodules. Both are functions of their arguments only (a reader is only read,
+    over a read-only memmap; a name map is only looked up), so the checkpoint written is the same bit for bit."""
+    if importlib.util.find_spec("gguf") is None:  # check_gguf names the pip install that brings it
+        yield
+        return
+    import gguf
+
+    readers = {}
+    read = gguf.GGUFReader
+
+    def reader(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = read(path, mode)
+        return readers[key]
+
+    name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+    with mock.patch.object(gguf, "GGUFReader", reader), mock.patch.object(gguf, "get_tensor_name_map", name_map):
+        yield
 
 
 @functools.lru_cache(maxsize=16)
