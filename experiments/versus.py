@@ -117,7 +117,7 @@ def case_configs(options: argparse.Namespace) -> tuple[list[RunConfig], int, lis
         raise ConfigError(f"warmup: must be 0 or more, got {options.warmup}")
     if options.device not in DEVICES:  # RunConfig says the same, but only once the lists parsed
         raise ConfigError(f"device: unknown value {options.device!r}; allowed: {', '.join(DEVICES)}")
-    lever_names = [] if value["levers"] == "none" else parse_list("levers", value["levers"], allowed=levers.LEVERS)
+    lever_names = [] if value["levers"] == levers.OFF else parse_list("levers", value["levers"], allowed=levers.LEVERS)
     cases = [
         RunConfig(
             model={"name": value["model"]},

@@ -44,6 +44,7 @@ from harness.run.point import cache_spec, make_prompts
 
 log = logging.getLogger(__name__)
 
+OFF = "none"  # --levers none: no levers section (a word of the option, not the cache strategy of that name)
 LEVERS = ("fused", "compile", "threads")  # what --levers takes
 BASELINE = "baseline"  # the `lever` column of the baseline's row: fused, eager, torch's threads
 # The `lever` column of each lever's variant: the one thing it changes from the baseline.
