@@ -23,7 +23,6 @@ import dataclasses
 import datetime as dt
 import hashlib
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,15 +55,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def physical_cores() -> int:
-    import psutil
-
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-
-
 def check(options: argparse.Namespace) -> dict:
     """The run's settings, every input checked before anything heavy runs: one ConfigError line otherwise."""
-    from harness.run import llamacpp
+    from harness.run import levers, llamacpp
 
     chosen = QUICK_DEFAULTS if options.quick else DEFAULTS
     value = {
@@ -75,7 +68,7 @@ def check(options: argparse.Namespace) -> dict:
             raise ConfigError(f"{key}: must be at least {2 if key == 'gen_len' else 1}, got {value[key]}")
     if options.warmup < 0:
         raise ConfigError(f"warmup: must be 0 or more, got {options.warmup}")
-    threads = physical_cores() if options.threads is None else options.threads
+    threads = levers.physical_cores() if options.threads is None else options.threads
     if threads < 1:
         raise ConfigError(f"threads: must be at least 1, got {threads}")
     llamacpp.require()

@@ -128,7 +128,7 @@ def compile_decode_step(
     options = {"backend": backend} if backend is not None else {"mode": mode}
     # Inductor reads its config when it compiles, inside the first call: patched around every call, so that nothing
     # else in the process compiles frozen. (torch.compile(options={"freezing": True}) did not freeze, torch 2.13.)
-    frozen = {"freezing": True, "cpp.weight_prepack": True} if freeze else {}
+    frozen = {"freezing": True, "cpp.weight_prepack": True}
     compiled = torch.compile(decode_one_token, fullgraph=True, dynamic=False, **options)
     batch = cache.spec.batch_size
     token = torch.zeros((batch, 1), dtype=torch.long, device=device)  # [B, 1]
@@ -144,6 +144,8 @@ def compile_decode_step(
         pos.fill_(at)
         if mode == "reduce-overhead":  # a new step: the graph's previous outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
+        if not freeze:  # the config patch only where it changes something: this is the decode step's hot path
+            return compiled(model, cache, token, pos)
         with inductor_config.patch(frozen):
             return compiled(model, cache, token, pos)
 
