@@ -20,10 +20,11 @@ that never change (inference, no autograd), which is what the decode step has. `
 from __future__ import annotations
 
 import functools
+import importlib
+import sys
 from collections.abc import Callable
 
 import torch
-from torch._inductor import config as inductor_config
 from torch.profiler import record_function
 
 from harness import kv
@@ -102,6 +103,8 @@ def check_compilable(cache: KVCache, *, mode: str, device: torch.device) -> None
 def cudagraph_skips() -> int:
     """How many times inductor has skipped CUDA graphs in this process (for a mutated non-static input, a CPU
     tensor, a dynamic shape, ...): cudagraph trees count each skip here and log its reason under TORCH_LOGS=perf_hints."""
+    if "torch._dynamo" not in sys.modules:  # nothing compiled in this process (and importing dynamo takes ~1 s)
+        return 0
     return int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"])
 
 
@@ -129,6 +132,8 @@ def compile_decode_step(
     # Inductor reads its config when it compiles, inside the first call: patched around every call, so that nothing
     # else in the process compiles frozen. (torch.compile(options={"freezing": True}) did not freeze, torch 2.13.)
     frozen = {"freezing": True, "cpp.weight_prepack": True}
+    # Imported here, not at the top: torch._inductor brings torch._dynamo, ~1 s of every process's start.
+    inductor_config = importlib.import_module("torch._inductor.config") if freeze else None
     compiled = torch.compile(decode_one_token, fullgraph=True, dynamic=False, **options)
     batch = cache.spec.batch_size
     token = torch.zeros((batch, 1), dtype=torch.long, device=device)  # [B, 1]

@@ -193,7 +193,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.fused = fused
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # Built on the meta device (build_model fills every parameter): given its weight, nn.Embedding skips its
+        # normal_ init, which on meta tensors imports torch._dynamo (~1 s of every process's start).
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim))
         self.layers = nn.ModuleList(
             TransformerBlock(args, layer_index=i, mla_path=mla_path, fused=fused) for i in range(args.n_layers)
         )
