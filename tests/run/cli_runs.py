@@ -6,8 +6,10 @@ For the tests of input the entry point refuses before anything is measured: each
 and Hydra start once instead of once per command line (seconds each on 2 cores).
 
     python -m tests.run.cli_runs '[["model=tiny", "batch_size=0"], ["-m", "batch_size=1,0"]]'
+    python -m tests.run.cli_runs '[{"module": "experiments.serve", "argv": ["tpot_slo_ms=fast"]}]'
 
-prints one JSON list: {"returncode": int, "stdout": str, "stderr": str} per command line, in order.
+prints one JSON list: {"returncode": int, "stdout": str, "stderr": str} per command line, in order. A command line
+is a list (experiments.decode's arguments) or {"module": ..., "argv": [...]} for another entry point.
 """
 
 from __future__ import annotations
@@ -42,4 +44,5 @@ def run_entry_point(argv: list[str], module: str = "experiments.decode") -> dict
 
 
 if __name__ == "__main__":
-    print(json.dumps([run_entry_point(argv) for argv in json.loads(sys.argv[1])]))
+    lines = json.loads(sys.argv[1])
+    print(json.dumps([run_entry_point(**line) if isinstance(line, dict) else run_entry_point(line) for line in lines]))
