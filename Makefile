@@ -15,6 +15,7 @@ HAS_NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 TORCH_SPEC ?= $(if $(HAS_NVIDIA_GPU),,torch==2.13.0)
 # Test processes (pytest-xdist; each file stays in one process, so its module fixtures are built once). Most tests
 # spend their time starting Python and torch in sweep subprocesses, so two processes fill two cores. 1: serial.
+# tests/conftest.py gives each worker (and what it spawns) its share of the cores: OMP_NUM_THREADS=cores/workers.
 TEST_WORKERS ?= 2
 # Extra Hydra overrides for `make run`, e.g. make run ARGS="gen_len=32"
 ARGS ?=
