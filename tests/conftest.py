@@ -23,7 +23,8 @@ if not torch.cuda.is_available():
 # is set already. Otherwise every process runs one OpenMP thread per core and, with two workers on two cores, their
 # threads spin waiting on each other: the suite took 9:58 on 2 cores with the default and 7:34 with one thread each.
 if (workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))) > 1 and "OMP_NUM_THREADS" not in os.environ:
-    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # Linux: usable
+    os.environ["OMP_NUM_THREADS"] = str(max(1, cores // workers))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
