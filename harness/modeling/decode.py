@@ -20,7 +20,6 @@ that never change (inference, no autograd), which is what the decode step has. `
 from __future__ import annotations
 
 import functools
-import importlib
 import sys
 from collections.abc import Callable
 
@@ -132,8 +131,8 @@ def compile_decode_step(
     # Inductor reads its config when it compiles, inside the first call: patched around every call, so that nothing
     # else in the process compiles frozen. (torch.compile(options={"freezing": True}) did not freeze, torch 2.13.)
     frozen = {"freezing": True, "cpp.weight_prepack": True}
-    # Imported here, not at the top: torch._inductor brings torch._dynamo, ~1 s of every process's start.
-    inductor_config = importlib.import_module("torch._inductor.config") if freeze else None
+    if freeze:  # imported here, not at the top: torch._inductor brings torch._dynamo, ~1 s of every process's start
+        import torch._inductor.config as inductor_config
     compiled = torch.compile(decode_one_token, fullgraph=True, dynamic=False, **options)
     batch = cache.spec.batch_size
     token = torch.zeros((batch, 1), dtype=torch.long, device=device)  # [B, 1]
