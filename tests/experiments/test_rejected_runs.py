@@ -6,14 +6,12 @@ one spawned interpreter (tests/run/cli_runs.py), which pays torch's and Hydra's 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.run import cli_runs
+
 SERVE_TINY = ["model=tiny", "max_model_len=64", "kv_memory_gb=0.01", "num_prompts=2", "prompt_len=16", "output_len=4"]
 
 
@@ -103,10 +101,9 @@ def rejected(tmp_path_factory, llama_checkpoint) -> dict[str, tuple[dict, Path]]
                                   f"dataset_path={path}", f"weights={llama_checkpoint}"))  # fmt: skip
     dirs["sweep"] = base / "sweep"
     lines.append(command_line("experiments.capacity", dirs["sweep"], "-m", "mode=plan,bogus"))
-    proc = subprocess.run([sys.executable, "-m", "tests.run.cli_runs", json.dumps(lines)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {key: (run, dirs[key]) for key, run in zip(dirs, json.loads(proc.stdout), strict=True)}
+    for directory in dirs.values():
+        directory.mkdir()  # each case's empty results_dir
+    return {key: (run, dirs[key]) for key, run in zip(dirs, cli_runs.spawn(lines), strict=True)}
 
 
 def files_in(results_dir: Path) -> list[str]:

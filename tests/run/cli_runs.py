@@ -18,8 +18,12 @@ import contextlib
 import io
 import json
 import runpy
+import subprocess
 import sys
 import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_entry_point(argv: list[str], module: str = "experiments.decode") -> dict:
@@ -41,6 +45,15 @@ def run_entry_point(argv: list[str], module: str = "experiments.decode") -> dict
             traceback.print_exc()
             returncode = 1
     return {"returncode": returncode, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+
+
+def spawn(lines: list) -> list[dict]:
+    """Every command line of `lines` (as the command line of this module takes them) in one fresh interpreter, run
+    from the repository root: their results, in order."""
+    proc = subprocess.run([sys.executable, "-m", "tests.run.cli_runs", json.dumps(lines)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import pytest
 from harness.config import RunConfig
 from harness.store import disk
 from tests.greedy import LOGIT_TOL, assert_no_near_tie, point_logits
+from tests.run import cli_runs
 
 ROOT = Path(__file__).parents[2]
 # Quick ceilings, measured once for the whole session and reused by every sweep here.
@@ -142,10 +143,7 @@ def refused(tmp_path_factory) -> dict[str, tuple[dict, Path]]:
     cases = {override: [*TINY, override] for override, _ in BAD_INPUT} | {"sweep": BAD_SWEEP}
     dirs = {key: base / f"case-{i}" for i, key in enumerate(cases)}
     argvs = [[*argv, f"results_dir={dirs[key]}"] for key, argv in cases.items()]
-    proc = subprocess.run([sys.executable, "-m", "tests.run.cli_runs", json.dumps(argvs)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    return {key: (run, dirs[key]) for key, run in zip(cases, json.loads(proc.stdout), strict=True)}
+    return {key: (run, dirs[key]) for key, run in zip(cases, cli_runs.spawn(argvs), strict=True)}
 
 
 @pytest.mark.parametrize(("override", "message"), BAD_INPUT)
